@@ -1,0 +1,1 @@
+"""prefixgate's OpenAI-compatible gateway and the ``prefixgate`` command line."""

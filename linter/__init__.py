@@ -1,0 +1,1 @@
+"""``prefixgate lint``: finds what breaks prefix caching in request logs and prompt code."""
