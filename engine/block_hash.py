@@ -12,17 +12,27 @@ Byte serialization (version 1), explicit so it is identical across processes,
 machines and Python versions (no pickle, no ``hash()``)::
 
     parent              32 bytes (a SHA256 digest)
-    num_tokens          u32 little-endian
-    token ids           num_tokens x u32 little-endian
+    block size          block 0 only: b"B" | u32 LE 4 | u32 LE block_size
+    token ids           block_size x u32 little-endian
     extra keys          zero or more of: tag (1 byte) | u32 LE byte length | bytes
+
+The token field has a fixed length within a chain and the extra keys are
+tag-length-value records, so every message parses one way. The block size is
+written once, in block 0, and reaches every later block through the parent:
+chains built with different block sizes never share a hash, and later blocks pay
+nothing for it (hashing cost is dominated by per-block overhead).
 
 Extra key tags:
 
 * ``S``: the request's ``cache_salt`` (UTF-8), first block only;
 * ``L``: a LoRA adapter id given as a string (UTF-8), every block;
 * ``N``: a LoRA adapter id given as an integer (decimal ASCII), every block;
-* ``M``: a multimodal item identifier (UTF-8), on every block its placeholder
-  range overlaps, in prompt order (one block may carry several items).
+* ``M``: a multimodal item, on every block its placeholder range overlaps, in
+  prompt order (one block may carry several items). Payload: the identifier
+  (UTF-8), then the item's offset relative to the block's first token (i64 LE,
+  negative when it began in an earlier block) and its length (u32 LE). The range
+  matters: with identifiers alone, images ``a`` and ``b`` laid out as
+  ``[a a a b]`` and ``[a b b b]`` over identical placeholder tokens would collide.
 
 Only full blocks get a hash: a partial last block is never looked up or cached.
 """
@@ -91,9 +101,13 @@ def encode_lora(lora_id: str | int | None) -> bytes:
     return _tagged(b"L", lora_id.encode("utf-8"))
 
 
-def encode_mm(identifier: str) -> bytes:
-    """Serialized extra key for one multimodal item."""
-    return _tagged(b"M", identifier.encode("utf-8"))
+_MM_RANGE = struct.Struct("<qI")
+
+
+def encode_mm(item: MultiModalItem, block_start: int) -> bytes:
+    """Serialized extra key for one multimodal item within the block starting at ``block_start``."""
+    payload = item.identifier.encode("utf-8")
+    return _tagged(b"M", _U32.pack(len(payload)) + payload + _MM_RANGE.pack(item.offset - block_start, item.length))
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -110,18 +124,26 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def block_size_header(block_size: int) -> bytes:
+    """The block-size record that follows the root in block 0's serialization."""
+    return b"B" + _U32.pack(4) + _U32.pack(block_size)
+
+
 def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """Hash of one block given its parent's hash, its token ids and its encoded extra keys."""
-    return hashlib.sha256(
-        parent + _U32.pack(len(token_ids)) + pack_token_ids(token_ids) + extra
-    ).digest()
+    """Hash of one block given its parent's hash, its token ids and its encoded extra keys.
+
+    When ``parent`` is :data:`ROOT_BLOCK_HASH` the block is a chain's first, and the
+    block-size record (``len(token_ids)``) is serialized after it.
+    """
+    head = parent + block_size_header(len(token_ids)) if parent == ROOT_BLOCK_HASH else parent
+    return hashlib.sha256(head + pack_token_ids(token_ids) + extra).digest()
 
 
 def mm_extra_keys(
     items: Sequence[MultiModalItem], start: int, end: int
 ) -> bytes:
-    """Encoded identifiers of the items whose placeholder range overlaps [start, end)."""
-    return b"".join(encode_mm(it.identifier) for it in items if it.offset < end and it.end > start)
+    """Encoded keys of the items whose placeholder range overlaps [start, end)."""
+    return b"".join(encode_mm(it, start) for it in items if it.offset < end and it.end > start)
 
 
 def hash_block_chain(
@@ -147,30 +169,33 @@ def hash_block_chain(
     if start_block >= num_full:
         return []
     begin = start_block * block_size
-    packed = memoryview(pack_token_ids(token_ids[begin : num_full * block_size]))
-    header = _U32.pack(block_size)
+    end = num_full * block_size
+    packed = pack_token_ids(token_ids if begin == 0 and end == len(token_ids) else token_ids[begin:end])
+    stride = 4 * block_size
     lora = encode_lora(lora_id)
     salt = encode_salt(cache_salt)
-    stride = 4 * block_size
     sha256 = hashlib.sha256
     hashes: list[BlockHash] = []
-    if not mm_items and not lora and not salt:
-        # Fast path: no extra keys at all.
-        for i in range(num_full - start_block):
-            parent = sha256(parent + header + packed[i * stride : (i + 1) * stride]).digest()
-            hashes.append(parent)
-        return hashes
-    for i in range(num_full - start_block):
-        block_index = start_block + i
-        start = block_index * block_size
+    offsets = range(0, len(packed), stride)
+    if start_block == 0:
         extra = lora
         if mm_items:
+            extra += mm_extra_keys(mm_items, 0, block_size)
+        parent = sha256(parent + block_size_header(block_size) + packed[:stride] + extra + salt).digest()
+        hashes.append(parent)
+        offsets = offsets[1:]
+    if not mm_items and not lora:
+        # Fast path (measured fastest on CPython 3.11): a slice, one concatenation
+        # and one SHA256 call per block.
+        for i in offsets:
+            parent = sha256(parent + packed[i : i + stride]).digest()
+            hashes.append(parent)
+        return hashes
+    for i in offsets:
+        extra = lora
+        if mm_items:
+            start = begin + i // 4
             extra += mm_extra_keys(mm_items, start, start + block_size)
-        if block_index == 0:
-            extra += salt
-        h = sha256(parent + header)
-        h.update(packed[i * stride : (i + 1) * stride])
-        h.update(extra)
-        parent = h.digest()
+        parent = sha256(parent + packed[i : i + stride] + extra).digest()
         hashes.append(parent)
     return hashes
