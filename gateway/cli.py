@@ -17,6 +17,11 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "engine.cli",
     "linter.cli",
+    "gateway.commands.gateway",
+    "gateway.commands.serve",
+    "gateway.commands.keys",
+    "gateway.commands.db",
+    "gateway.commands.stats",
 )
 
 
@@ -28,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # that subcommand's module is not part of this install (yet)
         module.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,149 @@
+"""Benchmark: lint a synthetic log of 100k chat-completion requests (target: under 60 s).
+
+Generates a deterministic JSONL corpus (families of applications with shared
+instructions and tools, multi-turn conversations, and a share of planted
+breaks: timestamps in instructions, shuffled tools, truncated histories), then
+runs the whole ``prefixgate lint`` pipeline (per-request rules, cross-request
+rules, hit-rate replay with per-rule fixes) and, separately, the per-request API
+the gateway calls. Prints a table and writes JSON to benchmarks/results/.
+
+    .venv/bin/python benchmarks/lint_throughput.py [--requests 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from linter.api import check_request  # noqa: E402
+from linter.config import LintConfig  # noqa: E402
+from linter.runner import lint_paths  # noqa: E402
+from linter.tokenizer import ApproxTokenizer  # noqa: E402
+
+WORDS = "cloud bucket invoice region latency token quota replica backup policy network storage billing cluster".split()
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"Call {name} with a query and return JSON.",
+            "parameters": {"properties": {"query": {"type": "string"}}, "required": ["query"], "type": "object"},
+        },
+    }
+
+
+def _families(rng: random.Random, count: int) -> list[dict[str, Any]]:
+    families = []
+    for i in range(count):
+        instructions = f"You are assistant #{i} of ACME. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 160)))
+        tools = [_tool(f"tool_{i}_{j}") for j in range(rng.randint(0, 5))]
+        families.append({"instructions": instructions, "tools": tools, "volatile": i % 10 == 0, "shuffle": i % 10 == 1})
+    return families
+
+
+def generate(n: int, seed: int = 7) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    families = _families(rng, 50)
+    bodies: list[dict[str, Any]] = []
+    conversation = 0
+    while len(bodies) < n:
+        family = rng.choice(families)
+        conversation += 1
+        history: list[dict[str, Any]] = []
+        for turn in range(rng.randint(1, 8)):
+            history.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))})
+            system = family["instructions"]
+            if family["volatile"]:
+                system = f"Now: 2026-11-21T{turn:02d}:{rng.randint(0, 59):02d}:00Z. " + system
+            tools = list(family["tools"])
+            if family["shuffle"]:
+                rng.shuffle(tools)
+            kept = history[-6:] if conversation % 7 == 0 else history
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system}, *kept], "metadata": {"conversation_id": f"c{conversation}"}}
+            if tools:
+                body["tools"] = tools
+            bodies.append(body)
+            history.append({"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))})
+            if len(bodies) >= n:
+                break
+    return bodies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--target-s", type=float, default=60.0)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    bodies = generate(args.requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "requests.jsonl"
+        corpus.write_text("".join(json.dumps(b) + "\n" for b in bodies), encoding="utf-8")
+        size_mb = corpus.stat().st_size / 1e6
+        generate_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        report = lint_paths([corpus], LintConfig(), ApproxTokenizer())
+        lint_s = time.perf_counter() - t1
+
+    sample = bodies[: min(len(bodies), 20_000)]
+    t2 = time.perf_counter()
+    for body in sample:
+        check_request(body)
+    per_request_us = (time.perf_counter() - t2) / len(sample) * 1e6
+
+    est = report.estimate
+    assert est is not None
+    rows = [
+        ("requests", f"{len(bodies)}"),
+        ("corpus size", f"{size_mb:.1f} MB"),
+        ("prompt tokens (approx.)", f"{est.prompt_tokens}"),
+        ("findings", f"{len(report.findings)}"),
+        ("hit rate now / after fixes", f"{100 * est.hit_rate:.1f}% / {100 * est.hit_rate_after_fixes:.1f}%"),
+        ("full lint wall time", f"{lint_s:.1f} s (target < {args.target_s:.0f} s)"),
+        ("lint throughput", f"{len(bodies) / lint_s:,.0f} requests/s"),
+        ("check_request (gateway path)", f"{per_request_us:.0f} us/request"),
+        ("corpus generation (not counted)", f"{generate_s:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    results = {
+        "benchmark": "lint_throughput",
+        "requests": len(bodies),
+        "corpus_mb": round(size_mb, 2),
+        "prompt_tokens": est.prompt_tokens,
+        "findings": len(report.findings),
+        "findings_by_code": {c: sum(1 for f in report.findings if f.code == c) for c in sorted({f.code for f in report.findings})},
+        "hit_rate": est.hit_rate,
+        "hit_rate_after_fixes": est.hit_rate_after_fixes,
+        "lint_seconds": round(lint_s, 2),
+        "requests_per_second": round(len(bodies) / lint_s),
+        "check_request_us": round(per_request_us, 1),
+        "target_seconds": args.target_s,
+        "met_target": lint_s < args.target_s,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    out_dir = ROOT / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "lint_throughput.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out_dir / 'lint_throughput.json'}")
+    return 0 if lint_s < args.target_s else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""``prefixgate engine``: load a model and serve it behind the OpenAI-compatible server.
+
+Building the parser imports nothing heavy: torch, transformers and the server are
+imported inside :func:`run`, so ``prefixgate lint --help`` stays fast and torch-free.
+The model is loaded (and the bundled GGUF converted once) before the port opens, so
+``GET /health`` answering 200 means the engine is ready. uvicorn turns SIGINT and
+SIGTERM into a graceful stop; the engine thread is shut down afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY_GIB, DTYPES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8001
+
+EPILOG = """\
+example:
+  prefixgate engine --port 8001
+  curl http://127.0.0.1:8001/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct", "max_tokens": 32,
+         "messages": [{"role": "user", "content": "Say hi"}]}'
+
+Without --model the bundled SmolLM2-135M-Instruct is served (converted once from its
+GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is used.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``prefixgate engine``."""
+    parser = subparsers.add_parser(
+        "engine",
+        help="serve a local model with prefix caching (OpenAI-compatible HTTP)",
+        description="Serve a local model behind an OpenAI-compatible HTTP API, reusing the KV "
+        "cache of exact prompt prefixes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a local Hugging Face checkpoint directory or a GGUF file "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to bind (default: {DEFAULT_HOST}, loopback only)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                        help=f"port to listen on (default: {DEFAULT_PORT})")
+    parser.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                        help=f"tokens per KV cache block (default: {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--kv-cache-memory", type=_positive_float, default=DEFAULT_KV_CACHE_MEMORY_GIB,
+                        metavar="GIB",
+                        help=f"memory for the KV cache in GiB (default: {DEFAULT_KV_CACHE_MEMORY_GIB})")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights and KV dtype; auto = bfloat16 where the CPU supports it "
+                        "natively, else float32 (default: auto)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
+                        help="context length limit (default: the model's)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="model name clients send (default: the model's name)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="allow http(s) image URLs (default: only inline data: URLs)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="disable reuse of cached prompt prefixes")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="log level (default: info)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, start the engine thread and serve until stopped."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.config import EngineConfig
+
+    try:
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, block_size=args.block_size,
+            kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+            max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+        )
+    except ValueError as exc:
+        logger.error("invalid engine settings: %s", exc)
+        return 2
+
+    from engine.llm_engine import LLMEngine
+    from engine.server import run_server
+
+    try:
+        engine = LLMEngine.from_config(config)
+    except (OSError, ValueError) as exc:
+        logger.error("could not load the model: %s", exc)
+        return 1
+    kv = engine.kv_cache_manager
+    logger.info("serving %r: %d KV blocks of %d tokens (%d tokens of cache), max_model_len %d",
+                engine.model_id, kv.num_blocks, engine.block_size, kv.num_blocks * engine.block_size,
+                engine.max_model_len)
+    engine.start()
+    try:
+        run_server(engine, host=args.host, port=args.port,
+                   allow_remote_images=args.allow_remote_images, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}")
+    return value

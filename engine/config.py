@@ -1,0 +1,45 @@
+"""EngineConfig: everything that shapes one engine instance, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; ``__post_init__`` raises ValueError naming the bad field.
+
+    ``model`` is a local Hugging Face checkpoint directory, a GGUF file, or None
+    for the bundled SmolLM2-135M-Instruct. ``dtype="auto"`` means bfloat16 where the
+    CPU computes it natively, float32 otherwise.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory_gib: float = DEFAULT_KV_CACHE_MEMORY_GIB
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    seed: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")

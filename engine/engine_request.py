@@ -1,0 +1,100 @@
+"""EngineRequest: one request's state inside the engine loop thread.
+
+It ties together the KV cache manager's view of the request (:class:`Request`:
+token ids and block hashes), its block allocation, its working cache in the
+model runner, its sampler generator and its detokenizer.
+
+Invariants:
+
+* ``kv.num_tokens == num_prompt_tokens + number of sampled tokens``;
+* the KV cache manager reserves slots only for tokens whose K/V the next forward
+  computes, so ``num_slots == state.num_computed`` after every forward;
+* ``num_cached_tokens`` is the prefix-cache hit taken at prefill: whole blocks,
+  never the last prompt token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.detokenizer import Detokenizer
+from engine.model_runner import SequenceState
+from engine.output_stream import GenerationRequest, OutputStream
+from engine.request import Request
+from engine.sampler import make_generator
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+class EngineRequest:
+    """A GenerationRequest being served."""
+
+    def __init__(self, request: GenerationRequest, engine: LLMEngine, fallback_seed: int) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.engine = engine
+        self.kv = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            cache_salt=request.cache_salt,
+            mm_items=request.mm_items,
+            block_size=engine.block_size,
+        )
+        self.num_prompt_tokens = self.kv.num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.generator = make_generator(request.params, fallback_seed)
+        self.detokenizer = Detokenizer(engine.tokenizer, request.params, engine.eos_token_ids)
+        self.stream: OutputStream | None = None
+        self.state: SequenceState | None = None
+        self.arrival_time = time.monotonic()
+
+    def prefill(self) -> torch.Tensor:
+        """Take the prefix-cache hit, allocate the prompt's blocks, run the uncached suffix."""
+        kvm = self.engine.kv_cache_manager
+        hit_blocks, num_cached = kvm.get_computed_blocks(self.kv)
+        new_blocks = kvm.allocate_slots(
+            self.kv, self.num_prompt_tokens - num_cached, num_cached, hit_blocks
+        )
+        assert new_blocks is not None, "the scheduler admitted a request whose blocks do not fit"
+        self.num_cached_tokens = num_cached
+        capacity = min(self.num_prompt_tokens + self.params.max_tokens, self.engine.max_model_len)
+        self.state, logits = self.engine.runner.prefill(
+            self.kv.all_token_ids, num_cached, kvm.get_block_ids(self.request_id), capacity
+        )
+        return logits
+
+    def decode(self) -> torch.Tensor:
+        """Reserve a slot for the last sampled token and run it."""
+        assert self.state is not None
+        kvm = self.engine.kv_cache_manager
+        assert kvm.allocate_slots(self.kv, 1) is not None, "decode blocks were reserved at admission"
+        return self.engine.runner.decode(
+            self.state, self.kv.all_token_ids[-1], kvm.get_block_ids(self.request_id)
+        )
+
+    def append_token(self, token_id: int) -> str | None:
+        """Record a sampled token; returns the finish reason when it ends the request."""
+        self.kv.append_output_token_ids(token_id)
+        reason = self.detokenizer.add(token_id)
+        if reason is None and (
+            len(self.kv.output_token_ids) >= self.params.max_tokens
+            or self.kv.num_tokens >= self.engine.max_model_len
+        ):
+            reason = "length"
+        return reason
+
+    def forget_unwritten_blocks(self) -> None:
+        """After a failed forward: drop the hashes of blocks whose K/V were never written."""
+        kvm = self.engine.kv_cache_manager
+        written = self.state.num_computed if self.state is not None else self.num_cached_tokens
+        blocks = kvm.req_to_blocks.get(self.request_id, [])
+        for block in blocks[written // self.engine.block_size :]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                kvm.block_pool._evict(block)
+        kvm.num_cached_blocks[self.request_id] = min(
+            kvm.num_cached_blocks.get(self.request_id, 0), written // self.engine.block_size
+        )

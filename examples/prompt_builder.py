@@ -1,0 +1,46 @@
+"""An example prompt builder with the mistakes ``prefixgate lint`` finds (PS301-PS305).
+
+Each planted mistake is marked with a comment naming the rule; ``PLANTED`` in
+tests/linter/test_lint_corpus.py lists their lines. Compare with
+examples/clean/prompt_builder.py, which builds the same prompts cache-friendly.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+TOOL_SPECS: dict[str, dict[str, Any]] = {
+    "get_weather": {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    "search_docs": {"type": "function", "function": {"name": "search_docs", "parameters": {"type": "object"}}},
+}
+SYSTEM_PROMPT = "You are the support assistant of ACME Cloud."
+
+
+def build_messages(history: list[dict[str, Any]], question: str) -> list[dict[str, Any]]:
+    now = datetime.now().isoformat()
+    system = {"role": "system", "content": f"{SYSTEM_PROMPT} Time: {now}"}  # PS301
+    trace = f"trace {uuid.uuid4()}"  # volatile, but it goes into the newest user turn: fine
+    recent = history[-10:]  # PS305
+    return [system, *recent, {"role": "user", "content": f"{trace}\n{question}"}]
+
+
+def build_tools(enabled: set[str], user_name: str) -> list[dict[str, Any]]:
+    tools = [TOOL_SPECS[name] for name in enabled]  # PS303
+    tools.append(
+        {
+            "type": "function",
+            "function": {"name": "list_orders", "description": f"Orders of {user_name}"},  # PS304
+        }
+    )
+    return tools
+
+
+def tool_message(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}  # PS302
+
+
+def debug_prompt(result: dict[str, Any]) -> str:
+    return "debug: " + json.dumps(result)  # prefixgate: noqa: PS302

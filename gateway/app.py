@@ -1,0 +1,145 @@
+"""The gateway's Starlette app factory.
+
+``create_app`` wires one :class:`Proxy` (auth, canonicalization, warnings, salts,
+upstream, stats) behind the OpenAI routes. The upstream ``httpx.AsyncClient`` is
+injected so tests can swap its transport; when none is given the app creates a
+pooled one and closes it on shutdown. The lifespan's shutdown drains the stats
+writer, so no row is lost on a graceful stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.authenticator import Authenticator
+from gateway.database import create_db_engine
+from gateway.errors import GatewayError, NotFound, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.prefix_warner import PrefixWarner
+from gateway.proxy import Proxy
+from gateway.settings import GatewaySettings
+from gateway.stats_report import per_tenant
+from gateway.stats_writer import StatsWriter
+from gateway.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def default_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    config = settings.config
+    timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+class GatewayState:
+    """The per-app objects; reachable as ``app.state.gateway``."""
+
+    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient | None) -> None:
+        self.settings = settings
+        self.owns_client = client is None
+        self.client = client or default_client(settings)
+        self.upstream = Upstream(settings.upstream, self.client)
+        self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
+        self.db_engine = create_db_engine(settings.db_url)
+        self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
+        self.metrics = GatewayMetrics()
+        self.proxy = Proxy(
+            upstream=self.upstream,
+            authenticator=self.authenticator,
+            warner=PrefixWarner(),
+            writer=self.writer,
+            metrics=self.metrics,
+            secret=settings.secret,
+            max_body_bytes=settings.config.max_body_bytes,
+        )
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.writer.close)
+        if self.owns_client:
+            await self.client.aclose()
+        self.db_engine.dispose()
+
+
+def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = None) -> Starlette:
+    state = GatewayState(settings, client)
+
+    async def chat_completions(request: Request) -> Response:
+        return await state.proxy.handle(request, "chat.completions")
+
+    async def completions(request: Request) -> Response:
+        return await state.proxy.handle(request, "completions")
+
+    async def models(request: Request) -> Response:
+        try:
+            state.authenticator.tenant_for(request.headers.get("authorization"))
+            return _json(await state.upstream.get("/v1/models"))
+        except GatewayError as error:
+            return error_response(error)
+
+    async def health(request: Request) -> Response:
+        try:
+            await state.upstream.get("/health", timeout=5.0)
+        except GatewayError as error:
+            return _json({"status": "degraded", "upstream": error.message}, status=503)
+        return _json({"status": "ok", "upstream": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def cache_stats(request: Request) -> Response:
+        try:
+            state.authenticator.require_admin(request.headers.get("authorization"))
+        except GatewayError as error:
+            return error_response(error)
+        await anyio.to_thread.run_sync(state.writer.flush, 30.0)
+        groups = await anyio.to_thread.run_sync(per_tenant, state.db_engine)
+        return _json({
+            "object": "cache.stats",
+            "tenants": {name: stats.to_dict() for name, stats in groups.items()},
+        })
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(NotFound(f"no route for {request.method} {request.url.path}"))
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        error = GatewayError(f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed")
+        error.status, error.type = 405, "invalid_request_error"
+        return error_response(error)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/cache/stats", cache_stats, methods=["GET"]),
+        ],
+        exception_handlers={404: not_found, 405: method_not_allowed},
+        lifespan=lifespan,
+    )
+    app.state.gateway = state
+    return app

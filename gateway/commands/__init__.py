@@ -1,0 +1,1 @@
+"""``prefixgate`` subcommands owned by the gateway package (parsers only at import)."""

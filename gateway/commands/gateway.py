@@ -1,0 +1,41 @@
+"""``prefixgate gateway``: the OpenAI-compatible proxy in front of an upstream engine."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+from gateway.launcher import add_common_options
+
+EPILOG = """example:
+  prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000
+  # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="run the caching gateway in front of an OpenAI-compatible upstream",
+        description="Proxy OpenAI requests with tenants, server-side cache salts, "
+        "canonicalization, prefix warnings and hit statistics.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--upstream", default=None, help="upstream base URL, e.g. http://127.0.0.1:8001")
+    add_common_options(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.launcher import build_settings, fail, run_gateway
+
+    try:
+        settings = build_settings(args, args.upstream)
+    except ValueError as exc:
+        return fail(str(exc))
+    # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.
+    with contextlib.suppress(KeyboardInterrupt):
+        run_gateway(settings, args.host, args.port, args.log_level)
+    return 0

@@ -1,0 +1,60 @@
+"""``prefixgate keys create``: a new tenant (or admin) API key, printed once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+EPILOG = """examples:
+  prefixgate keys create acme                       # prints the key and the config line
+  prefixgate keys create acme --config gateway.toml # also adds the hash to the config file
+  prefixgate keys create --admin --config gateway.toml
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "keys",
+        help="create tenant API keys",
+        description="Create API keys. Only their SHA-256 hash goes into the config.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = actions.add_parser(
+        "create", help="create a key for TENANT (printed once)", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    create.add_argument("tenant", nargs="?", help="tenant name (omit with --admin)")
+    create.add_argument("--admin", action="store_true", help="create an admin key for /v1/cache/stats")
+    create.add_argument("--config", type=Path, default=None, help="add the key hash to this TOML file")
+    create.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.api_key import generate_key, hash_key
+    from gateway.config import NAME_PATTERN
+    from gateway.config_editor import add_key_hash
+
+    if args.admin == (args.tenant is not None):
+        print("prefixgate keys create: give a TENANT name or --admin (not both)")
+        return 2
+    if args.tenant is not None and not NAME_PATTERN.match(args.tenant):
+        print(f"prefixgate keys create: invalid tenant name {args.tenant!r} (letters, digits, '_.-')")
+        return 2
+    key = generate_key()
+    key_hash = hash_key(key)
+    print(f"API key (shown once, store it now): {key}")
+    if args.config is not None:
+        try:
+            add_key_hash(args.config, args.tenant, key_hash)
+        except ValueError as exc:
+            print(f"prefixgate keys create: {exc}")
+            return 2
+        print(f"added its hash to {args.config}")
+    elif args.admin:
+        print(f'add to your config under [server]:\nadmin_keys = ["{key_hash}"]')
+    else:
+        print(f'add to your config:\n[tenants.{args.tenant}]\nkeys = ["{key_hash}"]')
+    return 0

@@ -1,0 +1,73 @@
+"""``prefixgate serve``: the bundled engine as a child process with the gateway in front."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gateway.launcher import add_common_options
+
+EPILOG = """example:
+  prefixgate serve --port 8000 --engine-port 8001
+  # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start the bundled engine and the gateway in front of it",
+        description="Start 'prefixgate engine' as a child process, wait until it is healthy, "
+        "then run the gateway in front of it. Ctrl-C stops both.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_common_options(parser)
+    parser.add_argument("--engine-port", type=int, default=8001, help="port of the engine (default 8001)")
+    parser.add_argument(
+        "--engine-timeout", type=float, default=900.0,
+        help="seconds to wait for the engine to become healthy (first start converts the model)",
+    )
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ARG",
+        help="extra argument for 'prefixgate engine' (repeatable), e.g. --engine-arg=--dtype=float32",
+    )
+    parser.set_defaults(func=run)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    from gateway.engine_process import EngineProcess, EngineStartError
+    from gateway.launcher import build_settings, fail, run_gateway
+
+    engine = EngineProcess(args.engine_port, args.engine_arg)
+    try:
+        settings = build_settings(args, engine.url)
+    except ValueError as exc:
+        return fail(str(exc))
+    log = logging.getLogger("prefixgate.serve")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM (docker stop) behaves like Ctrl-C: uvicorn shuts down gracefully, re-raises
+    # the signal, and the KeyboardInterrupt lands here so the engine is stopped too.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    log.info("starting the engine: %s", " ".join(engine.command))
+    try:
+        engine.start()
+        engine.wait_healthy(args.engine_timeout)
+        log.info("engine healthy at %s; starting the gateway on %s:%d", engine.url, args.host, args.port)
+        run_gateway(settings, args.host, args.port, args.log_level)
+        return 0
+    except EngineStartError as exc:
+        print(f"prefixgate serve: {exc}", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        code = engine.stop()
+        log.info("engine stopped (exit status %s)", code)

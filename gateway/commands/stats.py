@@ -1,0 +1,61 @@
+"""``prefixgate stats``: prefix-cache hit rates per tenant, model and hour."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+EPILOG = """examples:
+  prefixgate stats
+  prefixgate stats --data-dir /var/lib/prefixgate --since 2026-11-22T00:00 --format json
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "stats", help="print prefix-cache hit rates per tenant, model and hour",
+        description="Hit rate = cached / prompt tokens, over requests whose upstream reported cached tokens.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--data-dir", type=Path, default=None, help="directory of prefixgate.db")
+    parser.add_argument("--db-url", default=None, help="SQLAlchemy URL (overrides --data-dir)")
+    parser.add_argument("--since", default=None, help="only rows at or after this UTC time (ISO 8601)")
+    parser.add_argument("--format", choices=["text", "json"], default="text")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    import orjson
+
+    from gateway import database
+    from gateway.commands.db import resolve_db_url
+    from gateway.stats_report import format_table, per_tenant_model_hour
+
+    since = None
+    if args.since is not None:
+        try:
+            since = datetime.fromisoformat(args.since).replace(tzinfo=None)
+        except ValueError:
+            print(f"prefixgate stats: --since: not an ISO 8601 time: {args.since!r}")
+            return 2
+    url = resolve_db_url(args)
+    database.upgrade(url)
+    engine = database.create_db_engine(url)
+    try:
+        groups = per_tenant_model_hour(engine, since)
+    finally:
+        engine.dispose()
+    if args.format == "json":
+        rows = [
+            {"tenant": tenant, "model": model, "hour": hour, **stats.to_dict()}
+            for (tenant, model, hour), stats in groups.items()
+        ]
+        print(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+    elif not groups:
+        print("no requests recorded yet")
+    else:
+        print(format_table(groups))
+    return 0

@@ -1,0 +1,86 @@
+"""The stats database: SQLAlchemy engine setup and Alembic migrations.
+
+SQLite databases run in WAL mode (readers never block the writer) with
+``synchronous=NORMAL``. The schema is owned by Alembic (``migrations/`` at the
+repository root, found next to the ``gateway`` package: the editable install of
+the Makefile and the Dockerfile both keep the source tree; ``PREFIXGATE_MIGRATIONS``
+overrides the location).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+MIGRATIONS_ENV = "PREFIXGATE_MIGRATIONS"
+
+
+def default_db_url(data_dir: Path) -> str:
+    return f"sqlite:///{(data_dir / 'prefixgate.db').resolve()}"
+
+
+def _enable_wal(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def create_db_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite files get WAL mode and their directory created."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _enable_wal)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def migrations_dir() -> Path:
+    override = os.environ.get(MIGRATIONS_ENV)
+    path = Path(override) if override else Path(__file__).resolve().parent.parent / "migrations"
+    if not (path / "env.py").is_file():
+        raise RuntimeError(
+            f"Alembic migrations not found at {path}: install prefixgate from its source tree "
+            f"(pip install -e .) or set {MIGRATIONS_ENV}"
+        )
+    return path
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()

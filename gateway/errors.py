@@ -1,0 +1,115 @@
+"""Gateway error classes and their OpenAI-shaped JSON rendering.
+
+Every failure the gateway reports is a :class:`GatewayError`; the app turns it into
+``{"error": {"message", "type", "param", "code"}}`` at one place
+(:func:`error_response`). Upstream transport failures (httpx exceptions) are
+translated into these classes in :mod:`gateway.upstream` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.extra = extra or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        body.update(self.extra)
+        return body
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class PrefixWarningRejected(InvalidRequest):
+    code = "prefix_warning_rejected"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamError(GatewayError):
+    """The upstream answered with a server error or something that is not valid."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamUnavailable(GatewayError):
+    """The upstream could not be reached (connection refused, reset, DNS)."""
+
+    status = 503
+    type = "upstream_error"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    """Render ``error`` as an OpenAI-shaped JSON response."""
+    return Response(
+        orjson.dumps(error.to_dict()),
+        status_code=error.status,
+        media_type="application/json",
+        headers=headers,
+    )

@@ -1,0 +1,86 @@
+"""Turning command-line options into a running gateway (shared by ``gateway`` and ``serve``).
+
+Start-up order: load the config (``ValueError`` -> exit 2), resolve the secret
+(config, ``$PREFIXGATE_SECRET`` or ``<data-dir>/secret``), upgrade the stats
+database to the newest Alembic revision, then run uvicorn. Without a config the
+gateway runs in open mode and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gateway.config import GatewayConfig, load_config
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("prefixgate.gateway")
+
+DATA_DIR_ENV = "PREFIXGATE_DATA_DIR"
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get(DATA_DIR_ENV, ".prefixgate"))
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with [server] and [tenants.*]")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None,
+        help=f"secret and stats database directory (default ${DATA_DIR_ENV} or ./.prefixgate)",
+    )
+    parser.add_argument("--db-url", default=None, help="SQLAlchemy URL of the stats database "
+                        "(default sqlite:///DATA_DIR/prefixgate.db)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_settings(args: argparse.Namespace, upstream: str | None) -> GatewaySettings:
+    """Settings from parsed options; ``ValueError`` for a bad config or a missing upstream."""
+    from gateway.database import default_db_url
+    from gateway.salt import load_or_create_secret
+    from gateway.upstream import normalize_base_url
+
+    config = load_config(args.config) if args.config is not None else GatewayConfig()
+    upstream = upstream or config.upstream
+    if not upstream:
+        raise ValueError("no upstream: pass --upstream URL or set [server] upstream in the config")
+    data_dir = args.data_dir or default_data_dir()
+    return GatewaySettings(
+        upstream=normalize_base_url(upstream),
+        secret=load_or_create_secret(data_dir, config.secret),
+        db_url=args.db_url or default_db_url(data_dir),
+        config=config,
+        open_mode=args.config is None,
+        data_dir=data_dir,
+    )
+
+
+def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
+    """Upgrade the database and serve until SIGINT/SIGTERM (blocking)."""
+    import uvicorn
+
+    from gateway import database
+    from gateway.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    database.upgrade(settings.db_url)
+    if settings.open_mode:
+        log.warning(
+            "no --config: OPEN MODE for local use -- every distinct bearer token is its own "
+            "isolated tenant and no key is checked"
+        )
+    else:
+        log.info("%d tenant(s) configured", len(settings.config.tenants))
+    log.info("upstream %s, stats in %s", settings.upstream, settings.db_url)
+    app = create_app(settings)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
+
+
+def fail(message: str) -> int:
+    print(f"prefixgate: error: {message}", file=sys.stderr)
+    return 2

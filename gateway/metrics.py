@@ -1,0 +1,63 @@
+"""Prometheus metrics of one gateway app (its own registry, so several apps can
+live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from gateway.request_record import RequestRecord
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "prefixgate_requests", "Proxied requests by endpoint and status.",
+            ["endpoint", "status"], registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "prefixgate_prompt_tokens", "Prompt tokens reported by the upstream.", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            "prefixgate_cached_tokens", "Prompt tokens served from the prefix cache.", registry=self.registry
+        )
+        self.unknown_cached = Counter(
+            "prefixgate_unknown_cached_responses",
+            "Responses whose upstream did not report cached tokens.", registry=self.registry,
+        )
+        self.warnings = Counter(
+            "prefixgate_prefix_warnings", "Prefix warnings by rule code.", ["code"], registry=self.registry
+        )
+        self.canonicalized = Counter(
+            "prefixgate_canonicalization_steps", "Canonicalization steps applied.", ["step"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "prefixgate_request_latency_seconds", "Total request latency.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "prefixgate_ttft_seconds", "Time to the first upstream byte or event.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def observe(self, record: RequestRecord) -> None:
+        self.requests.labels(record.endpoint, str(record.status)).inc()
+        if record.prompt_tokens is not None:
+            self.prompt_tokens.inc(record.prompt_tokens)
+            if record.cached_tokens is None:
+                self.unknown_cached.inc()
+        if record.cached_tokens is not None:
+            self.cached_tokens.inc(record.cached_tokens)
+        for code in set(record.warning_codes):
+            self.warnings.labels(code).inc()
+        for step in record.canonicalization:
+            self.canonicalized.labels(step).inc()
+        self.latency.observe(record.latency_ms / 1000.0)
+        if record.ttft_ms is not None:
+            self.ttft.observe(record.ttft_ms / 1000.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

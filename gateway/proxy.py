@@ -1,0 +1,203 @@
+"""The proxy: one inference request from the client's bytes to the upstream and back.
+
+Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
+take the client's ``cache_salt`` out -> canonicalize (chat) -> prefix warnings
+(chat) -> ``reject_on`` -> derive the server-side salt -> forward (stream or not)
+-> relay, adding warnings -> exactly one stats row, whatever happened. Every
+failure is a :class:`GatewayError` rendered at the end of ``handle``; unexpected
+exceptions become a 500 and are logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.authenticator import Authenticator
+from gateway.canonicalizer import canonicalize
+from gateway.config import Tenant
+from gateway.errors import GatewayError, PrefixWarningRejected, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.prefix_warner import CONVERSATION_HEADER, PrefixWarner, PrefixWarning
+from gateway.relay_stream import RelayResponse, RelayStream
+from gateway.request_body import ClientGone, parse_body, read_body
+from gateway.request_record import RequestRecord
+from gateway.salt import derive_cache_salt
+from gateway.sse_relay import SseRelay
+from gateway.stats_writer import StatsWriter
+from gateway.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+WARNINGS_HEADER = "x-prefixgate-warnings"
+
+
+class Proxy:
+    def __init__(
+        self,
+        *,
+        upstream: Upstream,
+        authenticator: Authenticator,
+        warner: PrefixWarner,
+        writer: StatsWriter,
+        metrics: GatewayMetrics,
+        secret: bytes,
+        max_body_bytes: int,
+    ) -> None:
+        self.upstream = upstream
+        self.authenticator = authenticator
+        self.warner = warner
+        self.writer = writer
+        self.metrics = metrics
+        self.secret = secret
+        self.max_body_bytes = max_body_bytes
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        record = RequestRecord(endpoint=endpoint, upstream=self.upstream.base_url)
+        try:
+            return await self._handle(request, record)
+        except GatewayError as error:
+            return self._fail(record, error)
+        except Exception:
+            log.exception("unexpected error in the gateway")
+            return self._fail(record, GatewayError("internal gateway error", code="internal_error"))
+
+    def _fail(self, record: RequestRecord, error: GatewayError) -> Response:
+        record.finish(error.status, error.code)
+        self._record(record)
+        headers = {WARNINGS_HEADER: ",".join(sorted(set(record.warning_codes)))} if record.warning_codes else None
+        return error_response(error, headers)
+
+    def _record(self, record: RequestRecord) -> None:
+        self.writer.submit(record)
+        self.metrics.observe(record)
+
+    async def _handle(self, request: Request, record: RequestRecord) -> Response:
+        tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
+        record.tenant = tenant.name
+        raw = await read_body(request, self.max_body_bytes)
+        body = parse_body(raw, record.endpoint)
+        record.model = body["model"]
+        record.stream = bool(body.get("stream"))
+        client_salt = body.pop("cache_salt", None)
+        original = body
+        if record.endpoint == "chat.completions":
+            body, record.canonicalization = canonicalize(body, tenant.canonicalize)
+        upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record.stream)
+
+        def check() -> list[PrefixWarning]:
+            if record.endpoint != "chat.completions" or not tenant.warnings:
+                return []
+            return self.warner.check(
+                tenant.name, original, body, body_size=len(raw),
+                conversation_header=request.headers.get(CONVERSATION_HEADER),
+            )
+
+        warnings: list[PrefixWarning] | None = None
+        if tenant.reject_on:  # the verdict is needed before anything goes upstream
+            warnings = check()
+            self._enforce(tenant, record, warnings)
+        stack = contextlib.AsyncExitStack()
+        path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
+        work = asyncio.ensure_future(
+            stack.enter_async_context(self.upstream.stream(path, content))
+            if record.stream
+            else self.upstream.post(path, content)
+        )
+        try:
+            if warnings is None:
+                # Advisory warnings are computed while the upstream already works on the request.
+                warnings = check()
+            record.warning_codes = [warning.code for warning in warnings]
+            result = await _unless_disconnected(request, work)
+        except BaseException:
+            work.cancel()
+            await stack.aclose()
+            raise
+        warning_dicts = [warning.to_dict() for warning in warnings]
+        headers = self._headers(record)
+        if record.stream:
+            relay = SseRelay(record, strip_usage=strip_usage, warnings=warning_dicts)
+            return RelayResponse(RelayStream(stack, result, relay, record, self._record), headers)
+        return self._complete(record, result, warning_dicts, headers)
+
+    def _upstream_body(
+        self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, stream: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """The body sent upstream (server-side salt; usage asked for when streaming),
+        and whether the usage chunk must be stripped again for the client."""
+        upstream_body = dict(body)
+        salt = derive_cache_salt(self.secret, tenant.scope, client_salt)
+        if salt is not None:
+            upstream_body["cache_salt"] = salt
+        options = upstream_body.get("stream_options") or {}
+        strip_usage = stream and not options.get("include_usage")
+        if strip_usage:
+            upstream_body["stream_options"] = {**options, "include_usage": True}
+        return upstream_body, strip_usage
+
+    def _enforce(self, tenant: Tenant, record: RequestRecord, warnings: list[PrefixWarning]) -> None:
+        record.warning_codes = [warning.code for warning in warnings]
+        blocked = sorted(tenant.reject_on.intersection(record.warning_codes))
+        if blocked:
+            raise PrefixWarningRejected(
+                f"request rejected by this tenant's reject_on policy: {', '.join(blocked)}",
+                param="messages",
+                extra={"prefix_warnings": [warning.to_dict() for warning in warnings]},
+            )
+
+    def _headers(self, record: RequestRecord) -> dict[str, str]:
+        headers = {}
+        if record.warning_codes:
+            headers[WARNINGS_HEADER] = ",".join(sorted(set(record.warning_codes)))
+        if record.canonicalization:
+            headers["x-prefixgate-canonicalized"] = ",".join(record.canonicalization)
+        return headers
+
+    def _complete(
+        self,
+        record: RequestRecord,
+        result: tuple[dict[str, Any], bytes],
+        warnings: list[dict[str, Any]],
+        headers: dict[str, str],
+    ) -> Response:
+        parsed, content = result
+        record.mark_first_byte()
+        record.take_usage(parsed.get("usage"))
+        if warnings:
+            parsed["prefix_warnings"] = warnings
+            content = orjson.dumps(parsed)
+        record.finish(200)
+        self._record(record)
+        return Response(content, status_code=200, media_type="application/json", headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone("client disconnected before the upstream answered")
+    return task.result()
+
+
+async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,88 @@
+"""The streaming half of the proxy: one upstream SSE stream relayed to one client.
+
+Invariant: :meth:`RelayStream.close` runs exactly once per stream whatever happens
+(normal end, upstream failure, client disconnect, or the response being cancelled
+before its body was ever iterated): it closes the upstream response (which
+cancels the upstream request) and hands the request's row to ``on_finish``.
+Backpressure is natural: the next upstream chunk is read only after the previous
+events were sent to the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError, UpstreamError
+from gateway.request_record import RequestRecord
+from gateway.sse_relay import SseRelay
+
+CLIENT_CLOSED = 499
+
+
+class RelayStream:
+    def __init__(
+        self,
+        stack: contextlib.AsyncExitStack,
+        chunks: AsyncIterator[bytes],
+        relay: SseRelay,
+        record: RequestRecord,
+        on_finish: Callable[[RequestRecord], None],
+    ) -> None:
+        self.stack = stack
+        self.chunks = chunks
+        self.relay = relay
+        self.record = record
+        self.on_finish = on_finish
+        self._status: int = CLIENT_CLOSED
+        self._code: str | None = "client_disconnected"
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.chunks:
+                for event in self.relay.feed(chunk):
+                    yield event
+            for event in self.relay.finish():
+                yield event
+            if not self.relay.saw_done:
+                raise UpstreamError("upstream stream ended before 'data: [DONE]'")
+            self._status, self._code = 200, None
+        except GatewayError as error:
+            # Headers are already sent: report the failure as a final SSE event.
+            self._status, self._code = error.status, error.code
+            yield b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self.stack.aclose()
+        self.record.finish(self._status, self._code)
+        self.on_finish(self.record)
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that always closes its :class:`RelayStream`."""
+
+    def __init__(self, stream: RelayStream, headers: dict[str, str]) -> None:
+        super().__init__(
+            stream.events(),
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.close()

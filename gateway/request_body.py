@@ -1,0 +1,90 @@
+"""Reading and validating client request bodies (bounded, OpenAI-shaped 4xx errors).
+
+Only what the gateway itself relies on is validated here (the JSON object, the
+``model``/``stream``/``messages``/``prompt`` shapes, ``cache_salt``, and the types of
+the fields it canonicalizes); every other field is passed through for the
+upstream to judge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+
+from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
+from gateway.salt import MAX_CLIENT_SALT_CHARS
+
+
+class ClientGone(GatewayError):
+    """The client disconnected before the gateway could answer."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "client_disconnected"
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"request body exceeds the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def _expect(body: dict[str, Any], field: str, kind: type, what: str) -> None:
+    value = body.get(field)
+    if value is not None and not isinstance(value, kind):
+        raise InvalidRequest(f"'{field}' must be {what}, got {type(value).__name__}", param=field)
+
+
+def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
+    """The request body as a dict; :class:`InvalidRequest` naming the bad field otherwise."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    _expect(body, "stream", bool, "a boolean")
+    _expect(body, "stream_options", dict, "an object")
+    salt = body.get("cache_salt")
+    if "cache_salt" in body and (
+        not isinstance(salt, str) or not salt or len(salt) > MAX_CLIENT_SALT_CHARS
+    ):
+        raise InvalidRequest(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT_CHARS} characters",
+            param="cache_salt",
+        )
+    if endpoint == "chat.completions":
+        _check_messages(body)
+        _expect(body, "tools", list, "an array")
+        _expect(body, "response_format", dict, "an object")
+    elif "prompt" not in body:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    return body
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{index}] must be an object", param=f"messages[{index}]")
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{index}].role must be a string", param=f"messages[{index}].role"
+            )

@@ -1,0 +1,60 @@
+"""Server-side cache salts and the server secret.
+
+The salt sent upstream is ``HMAC-SHA256(secret, message)`` in hex, where
+``message = scope`` without a client salt and ``scope || 0x00 || client_salt``
+with one. Scopes (``tenant:NAME`` / ``group:NAME``) never contain NUL, so the
+encoding is unambiguous: two different (scope, client salt) pairs never give the
+same message. Hence a client salt only narrows its own scope and can never equal
+another scope's salt. A ``shared`` tenant without a client salt sends no salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+SECRET_ENV = "PREFIXGATE_SECRET"
+MAX_CLIENT_SALT_CHARS = 1024
+
+
+def derive_cache_salt(secret: bytes, scope: str | None, client_salt: str | None) -> str | None:
+    if scope is None and client_salt is None:
+        return None
+    message = (scope or "shared").encode("utf-8")
+    assert b"\x00" not in message, "scopes are validated names"
+    if client_salt is not None:
+        message += b"\x00" + client_salt.encode("utf-8")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def load_or_create_secret(data_dir: Path, configured: str | None = None) -> bytes:
+    """The server secret: from the config, else ``$PREFIXGATE_SECRET``, else ``data_dir/secret``.
+
+    The file is created on first use with 0600 permissions (atomically, so two
+    processes starting together agree) and reused afterwards.
+    """
+    if configured:
+        return configured.encode("utf-8")
+    from_env = os.environ.get(SECRET_ENV)
+    if from_env:
+        return from_env.encode("utf-8")
+    path = data_dir / "secret"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        temp = data_dir / f".secret.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            handle.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(temp, path)  # atomic; fails if another process won the race
+        except FileExistsError:
+            pass
+        finally:
+            temp.unlink()
+    value = path.read_text(encoding="ascii").strip()
+    if len(value) < 32:
+        raise ValueError(f"{path}: the secret file is truncated or empty")
+    return value.encode("ascii")

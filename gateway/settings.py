@@ -1,0 +1,21 @@
+"""Everything a gateway app needs to start, resolved from the command line and config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.config import GatewayConfig
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """``config`` holds the tenants; ``open_mode`` is True when no config file was given."""
+
+    upstream: str
+    secret: bytes
+    db_url: str
+    config: GatewayConfig = field(default_factory=GatewayConfig)
+    open_mode: bool = True
+    data_dir: Path = Path(".prefixgate")
+    stats_batch_size: int = 256

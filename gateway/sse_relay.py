@@ -1,0 +1,113 @@
+"""Relays an upstream SSE stream to the client event by event.
+
+Events are forwarded byte for byte unless one of these applies:
+
+- the gateway asked the upstream for usage the client did not request
+  (``strip_usage``): the usage-only chunk (``choices == []``) is dropped and a
+  ``"usage": null`` field is removed from the other chunks, so the client sees the
+  stream it asked for while the stats still get token counts;
+- prefix warnings are attached as ``prefix_warnings`` to the final chunk the
+  client sees: the usage chunk when the client asked for usage, otherwise the
+  chunk carrying a ``finish_reason``; if neither arrives, one extra chunk with
+  ``choices: []`` holding them is sent before ``data: [DONE]``.
+
+Usage and the time of the first event are copied into the request record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.request_record import RequestRecord
+
+DONE = b"[DONE]"
+
+
+class SseRelay:
+    def __init__(
+        self, record: RequestRecord, *, strip_usage: bool, warnings: list[dict[str, Any]] | None
+    ) -> None:
+        self.record = record
+        self.strip_usage = strip_usage
+        self.warnings = warnings or None
+        self.saw_done = False
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Bytes to send to the client for an upstream chunk (possibly none)."""
+        self._buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+        out: list[bytes] = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                return out
+            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            out.extend(self._event(event))
+
+    def finish(self) -> list[bytes]:
+        """Bytes for the end of the upstream stream (a trailing partial event)."""
+        out = self._event(self._buffer + b"\n\n") if self._buffer.strip() else []
+        self._buffer = b""
+        return out
+
+    def _event(self, event: bytes) -> list[bytes]:
+        self.record.mark_first_byte()
+        data = _data_of(event)
+        if data is None:
+            return [event]
+        if data.strip() == DONE:
+            self.saw_done = True
+            return [*self._pending_warnings(), event]
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return [event]
+        if not isinstance(chunk, dict):
+            return [event]
+        return self._chunk(chunk, event)
+
+    def _chunk(self, chunk: dict[str, Any], event: bytes) -> list[bytes]:
+        usage = chunk.get("usage")
+        choices = chunk.get("choices")
+        is_usage_chunk = isinstance(usage, dict) and choices == []
+        if isinstance(usage, dict):
+            self.record.take_usage(usage)
+        changed = False
+        if self.strip_usage:
+            if is_usage_chunk:
+                return []
+            if "usage" in chunk and usage is None:
+                del chunk["usage"]
+                changed = True
+        if self.warnings and self._is_final(chunk, is_usage_chunk):
+            chunk["prefix_warnings"] = self.warnings
+            self.warnings = None
+            changed = True
+        if not changed:
+            return [event]
+        return [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+
+    def _is_final(self, chunk: dict[str, Any], is_usage_chunk: bool) -> bool:
+        if not self.strip_usage:
+            return is_usage_chunk
+        choices = chunk.get("choices")
+        return isinstance(choices, list) and any(
+            isinstance(choice, dict) and choice.get("finish_reason") for choice in choices
+        )
+
+    def _pending_warnings(self) -> list[bytes]:
+        if not self.warnings:
+            return []
+        chunk = {"object": "chat.completion.chunk", "choices": [], "prefix_warnings": self.warnings}
+        self.warnings = None
+        return [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The joined ``data:`` lines of one SSE event, or None if it has none."""
+    parts = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    if not parts:
+        return None
+    return b"\n".join(parts)

@@ -1,0 +1,108 @@
+"""Hit-rate aggregates over ``request_log``.
+
+The hit rate is ``sum(cached_tokens) / sum(prompt_tokens)`` over the rows whose
+``cached_tokens`` is known; rows with unknown cached tokens are counted separately
+(``unknown_cached``) and left out of the rate, so an upstream that does not report
+hits never looks like a 0% hit rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, select
+
+from gateway.stats_table import request_log
+
+NO_TENANT = "(unauthenticated)"
+
+
+@dataclass
+class HitRate:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    unknown_cached: int = 0
+    known_prompt_tokens: int = 0
+
+    def add(self, row: Any) -> None:
+        self.requests += 1
+        if row.status >= 400:
+            self.errors += 1
+        self.prompt_tokens += row.prompt_tokens or 0
+        self.completion_tokens += row.completion_tokens or 0
+        if row.cached_tokens is None:
+            if row.prompt_tokens is not None:
+                self.unknown_cached += 1
+        else:
+            self.cached_tokens += row.cached_tokens
+            self.known_prompt_tokens += row.prompt_tokens or 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.known_prompt_tokens == 0:
+            return None
+        return self.cached_tokens / self.known_prompt_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "requests_with_unknown_cached_tokens": self.unknown_cached,
+            "hit_rate": self.hit_rate,
+        }
+
+
+def _rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
+    query = select(
+        request_log.c.time,
+        request_log.c.tenant,
+        request_log.c.model,
+        request_log.c.status,
+        request_log.c.prompt_tokens,
+        request_log.c.cached_tokens,
+        request_log.c.completion_tokens,
+    )
+    if since is not None:
+        query = query.where(request_log.c.time >= since)
+    with engine.connect() as connection:
+        yield from connection.execute(query.execution_options(yield_per=1000))
+
+
+def per_tenant(engine: Engine, since: datetime | None = None) -> dict[str, HitRate]:
+    result: dict[str, HitRate] = {}
+    for row in _rows(engine, since):
+        result.setdefault(row.tenant or NO_TENANT, HitRate()).add(row)
+    return dict(sorted(result.items()))
+
+
+def per_tenant_model_hour(
+    engine: Engine, since: datetime | None = None
+) -> dict[tuple[str, str, str], HitRate]:
+    result: dict[tuple[str, str, str], HitRate] = {}
+    for row in _rows(engine, since):
+        hour = row.time.strftime("%Y-%m-%d %H:00")
+        key = (row.tenant or NO_TENANT, row.model or "-", hour)
+        result.setdefault(key, HitRate()).add(row)
+    return dict(sorted(result.items()))
+
+
+def format_table(groups: dict[tuple[str, str, str], HitRate]) -> str:
+    header: Sequence[str] = ("tenant", "model", "hour (UTC)", "requests", "errors", "prompt", "cached", "hit rate")
+    lines = [list(header)]
+    for (tenant, model, hour), stats in groups.items():
+        rate = "unknown" if stats.hit_rate is None else f"{stats.hit_rate:.1%}"
+        lines.append(
+            [tenant, model, hour, str(stats.requests), str(stats.errors),
+             str(stats.prompt_tokens), str(stats.cached_tokens), rate]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)

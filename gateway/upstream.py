@@ -1,0 +1,159 @@
+"""The upstream engine behind the gateway, reached over one pooled httpx client.
+
+This module is the only place where httpx exceptions and upstream statuses become
+gateway errors:
+
+- connection refused/reset, DNS, connect timeout -> :class:`UpstreamUnavailable` (503);
+- read/write/pool timeout -> :class:`UpstreamTimeout` (504);
+- any other transport failure, a 5xx, or a body that is not the JSON we need ->
+  :class:`UpstreamError` (502);
+- a 4xx is the client's mistake as judged by the upstream: passed through with
+  its status (its OpenAI-shaped body kept when it has one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+
+class UpstreamClientError(GatewayError):
+    """A 4xx from the upstream, relayed with its status and error body."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        error = body.get("error") if isinstance(body.get("error"), dict) else {}
+        assert isinstance(error, dict)
+        super().__init__(
+            str(error.get("message") or f"upstream rejected the request ({status})"),
+            param=error.get("param") if isinstance(error.get("param"), str) else None,
+            code=str(error["code"]) if error.get("code") is not None else None,
+        )
+        self.status = status
+        if isinstance(error.get("type"), str):
+            self.type = str(error["type"])
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:port`` from a URL that may end in ``/`` or ``/v1``."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"upstream URL must start with http:// or https://, got {url!r}")
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def translate(exc: httpx.HTTPError) -> GatewayError:
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return UpstreamUnavailable(f"upstream unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"upstream timed out: {type(exc).__name__}")
+    return UpstreamError(f"upstream failed: {type(exc).__name__}: {exc}")
+
+
+def error_for_status(status: int, content: bytes) -> GatewayError:
+    """The gateway error for a non-2xx upstream answer."""
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        body = None
+    if 400 <= status < 500 and status != 408:
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+            body = {"error": {"message": content[:500].decode("utf-8", "replace")}}
+        return UpstreamClientError(status, body)
+    detail = ""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        detail = f": {body['error'].get('message')}"
+    if status in (408, 504):
+        return UpstreamTimeout(f"upstream timed out (HTTP {status}){detail}")
+    if status == 503:
+        return UpstreamUnavailable(f"upstream unavailable (HTTP 503){detail}")
+    return UpstreamError(f"upstream returned HTTP {status}{detail}")
+
+
+def parse_json_object(content: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamError(f"upstream sent invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise UpstreamError("upstream sent JSON that is not an object")
+    return body
+
+
+class Upstream:
+    def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
+        self.base_url = normalize_base_url(base_url)
+        self.client = client
+
+    async def post(self, path: str, content: bytes) -> tuple[dict[str, Any], bytes]:
+        """POST JSON; the parsed 2xx body and its raw bytes, or a gateway error."""
+        try:
+            response = await self.client.post(self.base_url + path, content=content, headers=JSON_HEADERS)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        if response.status_code >= 300:
+            raise error_for_status(response.status_code, response.content)
+        return parse_json_object(response.content), response.content
+
+    async def get(self, path: str, timeout: float | None = None) -> dict[str, Any]:
+        try:
+            if timeout is None:
+                response = await self.client.get(self.base_url + path)
+            else:
+                response = await self.client.get(self.base_url + path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        if response.status_code >= 300:
+            raise error_for_status(response.status_code, response.content)
+        if path == "/health":
+            return {}
+        return parse_json_object(response.content)
+
+    @asynccontextmanager
+    async def stream(self, path: str, content: bytes) -> AsyncIterator[AsyncIterator[bytes]]:
+        """POST and yield the upstream body as an iterator of byte chunks.
+
+        Errors before the first byte raise gateway errors; errors while iterating
+        also raise gateway errors (the caller turns them into an SSE error event).
+        Leaving the context closes the upstream response (cancelling it).
+        """
+        request = self.client.build_request(
+            "POST", self.base_url + path, content=content,
+            headers={"content-type": "application/json", "accept": "text/event-stream"},
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        try:
+            if response.status_code >= 300:
+                try:
+                    content_bytes = await response.aread()
+                except httpx.HTTPError as exc:
+                    raise translate(exc) from None
+                raise error_for_status(response.status_code, content_bytes)
+            yield _translated(response.aiter_bytes())
+        finally:
+            await response.aclose()
+
+
+async def _translated(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as exc:
+        raise translate(exc) from None

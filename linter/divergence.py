@@ -1,0 +1,206 @@
+"""Where a later request stops extending an earlier one's prefix, and why (the PS2xx rules).
+
+:func:`compare` renders both bodies (:mod:`linter.render`), finds the first
+character where ``current`` stops repeating the part of ``previous`` it should
+repeat, and names the cause at that point, in this order:
+
+1. a volatile value spans the point -> PS201;
+2. the tools differ (order or set -> PS202; same data, other key order -> PS203);
+3. ``tool_choice`` or ``response_format`` differ (key order only -> PS203, else PS205);
+4. a system/developer message differs -> PS206;
+5. a tool call's arguments differ only in key order or spacing -> PS203;
+6. otherwise the history was edited or truncated instead of appended -> PS204.
+
+What should be repeated: for a later turn of the same conversation (same
+``metadata.conversation_id``, or else the same first non-system message) everything up to the end of ``previous``'s last message; for
+another request of the same family, the tools, ``tool_choice``,
+``response_format`` and leading system/developer messages.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from linter import chat_request
+from linter.canonical_json import canonical_text, parse_json, sort_keys, tool_names
+from linter.render import Rendered, Segment, render
+from linter.tokenizer import ApproxTokenizer, Tokenizer
+from linter.volatile import find_volatile
+
+DEFAULT_BLOCK_SIZE = 16
+_MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
+_TOOL_INDEX = re.compile(r"^tools\[(\d+)\]")
+_default_tokenizer = ApproxTokenizer()
+
+T = TypeVar("T", str, list[int])
+
+
+@dataclass(frozen=True)
+class Divergence:
+    code: str
+    message: str
+    location: str
+    offset: int
+    tokens_lost: int
+    needle: str | None = None
+
+
+def common_prefix_len(a: T, b: T) -> int:
+    """Length of the longest common prefix of two strings or two token lists (binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def first_turn(body: Mapping[str, Any]) -> Any:
+    """The first non-system/developer message (identifies a conversation), or None."""
+    for _, message in chat_request.messages(body):
+        if chat_request.role(message) not in chat_request.STATIC_ROLES:
+            return message
+    return None
+
+
+def _conversation_id(body: Mapping[str, Any]) -> str | None:
+    metadata = body.get("metadata")
+    value = metadata.get("conversation_id") if isinstance(metadata, Mapping) else None
+    return value if isinstance(value, str) and value else None
+
+
+def is_same_conversation(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """Same ``metadata.conversation_id`` when both name one, else the same first non-system message."""
+    a, b = _conversation_id(previous), _conversation_id(current)
+    if a is not None and b is not None:
+        return a == b
+    return first_turn(previous) is not None and first_turn(previous) == first_turn(current)
+
+
+def tokens_lost(expected: str, current: str, tokenizer: Tokenizer, block_size: int) -> int:
+    """Tokens of ``expected``'s full blocks that ``current`` no longer shares."""
+    a, b = tokenizer.encode(expected), tokenizer.encode(current)
+    shared = common_prefix_len(a, b)
+    return max(0, (len(a) // block_size - shared // block_size) * block_size)
+
+
+def _volatile_cause(r: Rendered, seg: Segment | None, offset: int) -> str | None:
+    if seg is None:
+        return None
+    for span in find_volatile(r.text[seg.start : seg.end]):
+        if seg.start + span.start <= offset < seg.start + span.end:
+            return f"{span.kind} {span.value!r}"
+    return None
+
+
+def _tools_cause(previous: Mapping[str, Any], current: Mapping[str, Any], location: str) -> tuple[str, str]:
+    before, after = tool_names(previous), tool_names(current)
+    if before != after and sorted(before) == sorted(after):
+        return "PS202", f"tool order changed from {before} to {after}"
+    if set(before) != set(after):
+        added, removed = sorted(set(after) - set(before)), sorted(set(before) - set(after))
+        return "PS202", f"tool set changed (added {added}, removed {removed})"
+    match = _TOOL_INDEX.match(location)
+    raw_a, raw_b = previous.get("tools"), current.get("tools")
+    if match is not None and isinstance(raw_a, list) and isinstance(raw_b, list):
+        i = int(match.group(1))
+        if i < len(raw_a) and i < len(raw_b):
+            if sort_keys(raw_a[i]) == sort_keys(raw_b[i]):
+                return "PS203", f"tools[{i}] has the same content but a different JSON key order"
+            name = chat_request.tool_name(raw_a[i]) if isinstance(raw_a[i], Mapping) else ""
+            return "PS202", f"definition of tool {name or i!r} changed"
+    return "PS202", "tool definitions changed"
+
+
+def _message(body: Mapping[str, Any], index: int) -> Mapping[str, Any] | None:
+    raw = body.get("messages")
+    if isinstance(raw, list) and index < len(raw) and isinstance(raw[index], Mapping):
+        message: Mapping[str, Any] = raw[index]
+        return message
+    return None
+
+
+def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], index: int, seg: Segment) -> tuple[str, str]:
+    before = _message(previous, index)
+    after = _message(current, index)
+    if before is not None and chat_request.role(before) in chat_request.STATIC_ROLES:
+        return "PS206", f"system/developer message messages[{index}] changed"
+    if seg.kind == "tool_call" and before is not None and after is not None:
+        calls_a, calls_b = chat_request.tool_calls(before), chat_request.tool_calls(after)
+        if len(calls_a) == len(calls_b) and [_args(c) for c in calls_a] == [_args(c) for c in calls_b]:
+            return "PS203", f"tool-call arguments in messages[{index}] were re-serialized (key order or spacing)"
+    prev_msgs = previous.get("messages") if isinstance(previous.get("messages"), list) else []
+    cur_msgs = current.get("messages") if isinstance(current.get("messages"), list) else []
+    assert isinstance(prev_msgs, list) and isinstance(cur_msgs, list)
+    if index >= len(cur_msgs):
+        return "PS204", f"history truncated: the earlier request had messages[{index}], this one stops before it"
+    later = prev_msgs[index + 1 :]
+    if later and cur_msgs[index] in later:
+        dropped = later.index(cur_msgs[index]) + 1
+        return "PS204", f"history truncated in the middle: {dropped} earlier message(s) dropped at messages[{index}]"
+    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to"
+
+
+def _args(call: Mapping[str, Any]) -> Any:
+    function = call.get("function")
+    args = function.get("arguments") if isinstance(function, Mapping) else None
+    if isinstance(args, str):
+        ok, value = parse_json(args)
+        return canonical_text(value) if ok else args
+    return args
+
+
+def _classify(previous: Mapping[str, Any], current: Mapping[str, Any], pr: Rendered, cr: Rendered, offset: int) -> tuple[str, str, Segment]:
+    seg_p, seg_c = pr.segment_at(offset), cr.segment_at(offset)
+    seg = seg_c or seg_p
+    assert seg is not None and seg_p is not None
+    volatile = _volatile_cause(pr, seg_p, offset) or _volatile_cause(cr, seg_c, offset)
+    if volatile is not None:
+        return "PS201", f"prefix diverges inside a volatile value: {volatile}", seg
+    if seg_p.location.startswith("tools") or (seg_c and seg_c.location.startswith("tools")):
+        code, why = _tools_cause(previous, current, seg_p.location)
+        return code, why, seg
+    for key in ("tool_choice", "response_format"):
+        if seg_p.kind == key or (seg_c is not None and seg_c.kind == key):
+            a, b = previous.get(key), current.get(key)
+            if a is not None and b is not None and sort_keys(a) == sort_keys(b):
+                return "PS203", f"{key} has the same content but a different JSON key order", seg
+            return "PS205", f"{key} changed from {canonical_text(a)} to {canonical_text(b)}", seg
+    match = _MESSAGE_INDEX.match(seg_p.location)
+    index = int(match.group(1)) if match else 0
+    code, why = _history_cause(previous, current, index, seg_p)
+    return code, why, seg
+
+
+def compare(
+    previous: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    tokenizer: Tokenizer | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    rendered: Sequence[Rendered] | None = None,
+) -> Divergence | None:
+    """The first divergence of ``current`` from ``previous`` (see the module docstring), or None."""
+    pr, cr = rendered if rendered is not None else (render(previous), render(current))
+    same_conversation = is_same_conversation(previous, current)
+    expected_end = pr.history_end if same_conversation else pr.static_end
+    if expected_end == 0:
+        return None
+    offset = common_prefix_len(pr.text[:expected_end], cr.text)
+    if offset >= expected_end or offset >= cr.history_end:
+        # Extends the earlier prompt, or is itself a prefix of it (a retry or a branch).
+        return None
+    code, why, seg = _classify(previous, current, pr, cr, offset)
+    location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
+    lost = tokens_lost(pr.text[:expected_end], cr.text, tokenizer or _default_tokenizer, block_size)
+    scope = "conversation" if same_conversation else "request family"
+    needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
+    message = f"{why}; the {scope}'s shared prefix breaks here ({lost} tokens lost)"
+    return Divergence(code, message, location, offset, lost, needle or None)

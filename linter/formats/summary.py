@@ -1,0 +1,49 @@
+"""The numbers every format reports: the run summary and per-rule statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from linter.finding import SEVERITIES
+from linter.registry import all_rules
+from linter.runner import LintReport
+
+
+def summary(report: LintReport) -> dict[str, Any]:
+    """Requests, prompt tokens, hit rate now and after fixes (None without requests), counts."""
+    est = report.estimate
+    by_severity = Counter(f.severity for f in report.findings)
+    return {
+        "files": report.files,
+        "findings": len(report.findings),
+        "by_severity": {s: by_severity.get(s, 0) for s in reversed(SEVERITIES)},
+        "baselined": report.baselined,
+        "requests": est.requests if est else 0,
+        "prompt_tokens": est.prompt_tokens if est else 0,
+        "cached_tokens": est.cached_tokens if est else 0,
+        "hit_rate": round(est.hit_rate, 6) if est else None,
+        "cached_tokens_after_fixes": est.cached_tokens_after_fixes if est else 0,
+        "hit_rate_after_fixes": round(est.hit_rate_after_fixes, 6) if est else None,
+        "per_rule": [
+            {"code": g.code, "hit_rate_after": round(g.hit_rate_after, 6), "tokens_gained": g.tokens_gained}
+            for g in (est.per_rule if est else ())
+        ],
+        "tokenizer": est.tokenizer if est else None,
+        "block_size": est.block_size if est else None,
+        "capacity_blocks": est.capacity_blocks if est else None,
+    }
+
+
+def statistics(report: LintReport) -> list[dict[str, Any]]:
+    """One row per code that has findings: code, name, severity, count, tokens lost (sorted by count)."""
+    rules = all_rules()
+    counts = Counter(f.code for f in report.findings)
+    lost: Counter[str] = Counter()
+    for f in report.findings:
+        lost[f.code] += f.tokens_lost or 0
+    rows = [
+        {"code": code, "name": rules[code].name, "severity": rules[code].severity, "count": n, "tokens_lost": lost[code]}
+        for code, n in counts.items()
+    ]
+    return sorted(rows, key=lambda r: (-r["count"], r["code"]))

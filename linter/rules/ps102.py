@@ -1,0 +1,95 @@
+"""PS102 user-data-in-instructions: user-specific data in a system or developer message.
+
+Why it matters
+    The instructions are the part every user of an application shares. Writing
+    the user's name, email, phone number, account or id into them forks the
+    prefix per user: each user gets a private copy of the cache for the
+    instructions (and the tools rendered before them only go as far as the
+    first such value), and cache memory fills with near-duplicates.
+
+Anti-pattern
+    {"role": "system", "content": "You help Ada Lovelace (ada@example.com, customer id 88412)."}
+
+Better
+    Keep the instructions generic and pass the user's details in the first user
+    message (or a short context message after the instructions):
+    {"role": "system", "content": "You help the customer described in the first message."},
+    {"role": "user", "content": "Customer: Ada Lovelace <ada@example.com>, id 88412\\n\\n..."}
+
+Detected: email addresses, phone numbers, labelled user fields ("user id:",
+"customer name is ..."), and the request's own ``user`` field value.
+Fix used by the estimate: the values are moved after the stable prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from linter import chat_request
+from linter.rule import Body, Hit, Options, Rule
+from linter.span_mover import move_spans_to_end
+
+_USER_DATA = re.compile(
+    r"(?P<email>\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b)"
+    r"|(?P<phone>(?<![\w+])\+?\d{1,3}[ .-]?\(?\d{2,4}\)?(?:[ .-]?\d{2,4}){2,3}\b)"
+    r"|(?P<field>(?i:\b(?:the\s+)?(?:user|customer|client|account|member|patient)(?:'s)?[ _-]?"
+    r"(?:name|id|email|number|phone|address)\b\s*(?:is\s+|:\s*|=\s*))[^\s,;.]+(?:\s+[A-Z][\w'-]+)?)"
+)
+_KINDS = {"email": "email address", "phone": "phone number", "field": "user field"}
+
+
+def _spans(text: str, user: str | None) -> list[tuple[int, int, str]]:
+    spans = [(m.start(), m.end(), _KINDS[m.lastgroup or "field"]) for m in _USER_DATA.finditer(text)]
+    if user and len(user) >= 3:
+        start = text.find(user)
+        while start >= 0:
+            spans.append((start, start + len(user), "the request's user id"))
+            start = text.find(user, start + len(user))
+    spans.sort()
+    kept: list[tuple[int, int, str]] = []
+    for span in spans:
+        if not kept or span[0] >= kept[-1][1]:
+            kept.append(span)
+    return kept
+
+
+def _user(body: Mapping[str, Any]) -> str | None:
+    user = body.get("user")
+    return user if isinstance(user, str) else None
+
+
+def check(body: Body, options: Options) -> Iterator[Hit]:
+    user = _user(body)
+    for i, message in chat_request.messages(body):
+        if chat_request.role(message) not in chat_request.STATIC_ROLES:
+            continue
+        for location, text in chat_request.content_texts(message, f"messages[{i}]"):
+            for start, end, kind in _spans(text, user):
+                yield Hit(
+                    message=f"{kind} {text[start:end]!r} in the instructions forks the shared prefix per user",
+                    location=f"{location}[{start}:{end}]",
+                    needle=text[start:end],
+                )
+
+
+def fix(body: Body) -> Body:
+    user = _user(body)
+
+    def finder(text: str) -> list[tuple[int, int]]:
+        return [(s, e) for s, e, _ in _spans(text, user)]
+
+    return move_spans_to_end(body, finder)
+
+
+RULE = Rule(
+    code="PS102",
+    name="user-data-in-instructions",
+    severity="warning",
+    scope="request",
+    summary="A user's name, email, phone or id in a system/developer message",
+    doc=__doc__ or "",
+    check_request=check,
+    fix=fix,
+)

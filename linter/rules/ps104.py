@@ -1,0 +1,103 @@
+"""PS104 non-canonical-json: tool schemas, response_format or tool-call arguments are not canonical JSON.
+
+Why it matters
+    JSON is rendered into the prompt as text. When its keys come in whatever
+    order the code happened to build them, two requests with equal tools or
+    equal arguments can serialize differently (a dict merged in another order,
+    another library, another process), and the prefix breaks at the first
+    reordered key. Canonical JSON (keys sorted, fixed separators) has one
+    spelling per value, so equal data is always equal text.
+
+Anti-pattern
+    "parameters": {"type": "object", "properties": {"unit": ..., "city": ...}, "required": [...]}
+    "arguments": "{\\"unit\\": \\"C\\",  \\"city\\": \\"Paris\\"}"
+
+Better
+    Build schemas with sorted keys (or let the gateway canonicalize them) and
+    emit arguments with json.dumps(args, sort_keys=True, separators=(",", ":")).
+
+Checked: ``tools[i].function.parameters``, ``response_format`` and every
+tool call's ``arguments`` string (keys sorted at every level; arguments also in
+one of json.dumps's two standard spacings). The envelope keys of a tool
+(``type``, ``function``, ``name``) are left alone: SDKs write them in a fixed order.
+Fix used by the estimate: parameter schemas, response_format and arguments in
+canonical form.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from linter import chat_request
+from linter.canonical_json import canonicalize_body, parse_json
+from linter.rule import Body, Hit, Options, Rule
+
+
+def first_unsorted(value: Any, path: str) -> str | None:
+    """JSON path of the first object whose keys are not sorted, or None."""
+    if isinstance(value, Mapping):
+        keys = [str(k) for k in value]
+        if keys != sorted(keys):
+            return path
+        for key, child in value.items():
+            found = first_unsorted(child, f"{path}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            found = first_unsorted(child, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _standard_spellings(value: Any) -> set[str]:
+    return {
+        json.dumps(value, sort_keys=True, separators=separators, ensure_ascii=ascii_only)
+        for separators in ((",", ":"), (", ", ": "))
+        for ascii_only in (True, False)
+    }
+
+
+def check(body: Body, options: Options) -> Iterator[Hit]:
+    for i, tool in chat_request.tools(body):
+        function = tool.get("function")
+        if isinstance(function, Mapping) and "parameters" in function:
+            path = first_unsorted(function["parameters"], f"tools[{i}].function.parameters")
+            if path is not None:
+                yield Hit(f"keys of {path} are not sorted", path, needle=chat_request.tool_name(tool) or None)
+    if "response_format" in body:
+        path = first_unsorted(body["response_format"], "response_format")
+        if path is not None:
+            yield Hit(f"keys of {path} are not sorted", path, needle='"response_format"')
+    for i, message in chat_request.messages(body):
+        for j, call in enumerate(chat_request.tool_calls(message)):
+            function = call.get("function")
+            args = function.get("arguments") if isinstance(function, Mapping) else None
+            if not isinstance(args, str):
+                continue
+            ok, value = parse_json(args)
+            if ok and args not in _standard_spellings(value):
+                yield Hit(
+                    "tool-call arguments are not canonical JSON (sorted keys, standard spacing)",
+                    f"messages[{i}].tool_calls[{j}].function.arguments",
+                    needle='"arguments"',
+                )
+
+
+def fix(body: Body) -> Body:
+    return canonicalize_body(body, whole_tools=False)
+
+
+RULE = Rule(
+    code="PS104",
+    name="non-canonical-json",
+    severity="warning",
+    scope="request",
+    summary="Tool schemas, response_format or tool-call arguments with unsorted keys",
+    doc=__doc__ or "",
+    check_request=check,
+    fix=fix,
+)

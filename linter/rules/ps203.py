@@ -1,0 +1,40 @@
+"""PS203 json-key-order-changed: equal JSON serialized with a different key order or spacing.
+
+Why it matters
+    Tools, response formats and tool-call arguments are JSON rendered into the
+    prompt text. The same data written with keys in another order (a dict built
+    in a different order, a client re-serializing a tool call with its own
+    spacing) is different text and different tokens, so the cached prefix ends
+    there although nothing really changed.
+
+Anti-pattern
+    turn 1 history: {"arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"C\\"}"}
+    turn 2 history: {"arguments": "{\\"unit\\":\\"C\\",\\"city\\":\\"Paris\\"}"}
+
+Better
+    Serialize canonically everywhere (json.dumps(value, sort_keys=True,
+    separators=(",", ":"))) and send back tool calls exactly as the model
+    produced them.
+
+Fix used by the estimate: canonical JSON for tools, response_format and arguments.
+"""
+
+from __future__ import annotations
+
+from linter.canonical_json import canonicalize_body
+from linter.rule import Body, Rule
+
+
+def fix(body: Body) -> Body:
+    return canonicalize_body(body)
+
+
+RULE = Rule(
+    code="PS203",
+    name="json-key-order-changed",
+    severity="warning",
+    scope="corpus",
+    summary="Equal JSON (tools, response_format, arguments) re-serialized differently",
+    doc=__doc__ or "",
+    fix=fix,
+)

@@ -1,0 +1,116 @@
+"""Tokenizers for the hit-rate estimate: exact (a ``tokenizer.json``) or a fast approximation.
+
+:class:`ApproxTokenizer` splits text into letter runs of at most four letters,
+runs of up to three digits, single punctuation characters, single newlines and
+runs of other whitespace, and maps each piece to a stable id (CRC32 of its UTF-8
+bytes). That yields roughly one token per 3-4 characters of English, like a BPE
+vocabulary, and identical text always gets identical ids, which is all prefix
+matching needs. It is deterministic across processes and machines.
+
+No piece spans a newline or a ``<``, and every boundary between two segments of
+a rendered prompt (:mod:`linter.render`) has one of them on a side, so
+tokenizing a prompt equals concatenating the tokenizations of its segments:
+:meth:`ApproxTokenizer.encode_parts` does that with a memo, so a conversation's
+history, repeated in every later turn, is tokenized once.
+
+:func:`load_tokenizer` loads an exact tokenizer with the ``tokenizers`` library
+(never torch): a ``tokenizer.json`` path, or ``bundled`` for the bundled
+SmolLM2 model's tokenizer once ``prefixgate engine`` has converted the model.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+_PIECE = re.compile(r"[^\W\d_]{1,4}|\d{1,3}|[^\w\s]|_|\n|[^\S\n]+")
+_MEMO_LIMIT = 50_000
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ApproxTokenizer:
+    """The deterministic approximation described in the module docstring."""
+
+    name = "approximate"
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._memo: dict[str, list[int]] = {}
+
+    def encode_parts(self, parts: Sequence[str]) -> list[int]:
+        """``encode("".join(parts))`` for the segments of a rendered prompt, memoized per segment."""
+        memo = self._memo
+        out: list[int] = []
+        for part in parts:
+            ids = memo.get(part)
+            if ids is None:
+                ids = self.encode(part)
+                if len(memo) >= _MEMO_LIMIT:
+                    memo.clear()
+                memo[part] = ids
+            out.extend(ids)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids
+        out: list[int] = []
+        append = out.append
+        for piece in _PIECE.findall(text):
+            token = ids.get(piece)
+            if token is None:
+                token = zlib.crc32(piece.encode("utf-8"))
+                if len(ids) < 1_000_000:
+                    ids[piece] = token
+            append(token)
+        return out
+
+
+class JsonTokenizer:
+    """An exact tokenizer loaded from a Hugging Face ``tokenizer.json`` file."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception on bad files
+            raise ValueError(f"cannot load tokenizer {str(path)!r}: {exc}") from None
+        self.name = str(path)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def bundled_tokenizer_path() -> Path:
+    """Where the bundled model's tokenizer.json lives once the engine converted the model."""
+    from engine.model_store import converted_model_dir
+
+    return converted_model_dir() / "tokenizer.json"
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """``None`` -> the approximation; ``"bundled"`` -> the bundled model's; else a tokenizer.json path.
+
+    ValueError with instructions when the file is missing.
+    """
+    if spec is None or spec == "approximate":
+        return ApproxTokenizer()
+    if spec == "bundled":
+        path = bundled_tokenizer_path()
+        if not path.is_file():
+            raise ValueError(
+                f"the bundled tokenizer is not converted yet ({path} is missing): run "
+                "'prefixgate engine' once (it converts the bundled model on first start), "
+                "or pass --tokenizer PATH/TO/tokenizer.json"
+            )
+        return JsonTokenizer(path)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"tokenizer file {spec!r} does not exist (expected a tokenizer.json)")
+    return JsonTokenizer(path)

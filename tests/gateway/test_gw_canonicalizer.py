@@ -1,0 +1,160 @@
+"""Canonicalization: deterministic, idempotent and semantics-preserving (property tests),
+plus the exact behaviour of each step."""
+
+from __future__ import annotations
+
+import copy
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.canonicalizer import STEP_NAMES, canonicalize
+from gateway.config import CanonicalizeSwitches
+
+ALL = CanonicalizeSwitches()
+NONE = CanonicalizeSwitches(False, False, False, False, False)
+
+keys = st.text(alphabet="abcxyz_", min_size=1, max_size=4)
+scalars = st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=5)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(keys, children, max_size=4),
+    max_leaves=12,
+)
+tools = st.lists(
+    st.builds(
+        lambda name, params, swap: (
+            {"function": {"parameters": params, "name": name}, "type": "function"}
+            if swap else {"type": "function", "function": {"name": name, "parameters": params}}
+        ),
+        keys, st.dictionaries(keys, json_values, max_size=3), st.booleans(),
+    ),
+    max_size=4,
+)
+arguments = json_values.map(lambda v: orjson.dumps(v).decode()) | st.text(max_size=8)
+
+
+@st.composite
+def conversations(draw):
+    messages = [{"role": "system", "content": draw(st.text(max_size=10))}]
+    for turn in range(draw(st.integers(0, 3))):
+        messages.append({"role": "user", "content": draw(
+            st.text(max_size=8) | st.builds(lambda t: [{"type": "text", "text": t}], st.text(max_size=8))
+        )})
+        ids = [f"call_{turn}_{i}" for i in range(draw(st.integers(0, 3)))]
+        if ids:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": "f", "arguments": draw(arguments)}} for i in ids
+            ]})
+            for i in draw(st.permutations(ids)):
+                messages.append({"role": "tool", "tool_call_id": i, "content": draw(st.text(max_size=5))})
+        else:
+            messages.append({"role": "assistant", "content": draw(st.text(max_size=8))})
+    body = {"model": "m", "messages": messages, "tools": draw(tools)}
+    if draw(st.booleans()):
+        body["response_format"] = {"type": "json_schema", "json_schema": draw(st.dictionaries(keys, json_values))}
+    return body
+
+
+def semantic_view(body):
+    """What must not change: values with keys order-free, tools as a name-keyed set,
+    tool-call arguments as parsed JSON, tool results per id, single text parts as text."""
+    def args(a):
+        try:
+            return ("json", orjson.loads(a))
+        except orjson.JSONDecodeError:
+            return ("raw", a)
+
+    messages = []
+    for m in body["messages"]:
+        m = dict(m)
+        if isinstance(m.get("content"), list) and len(m["content"]) == 1 and set(m["content"][0]) == {"type", "text"}:
+            m["content"] = m["content"][0]["text"]
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": args(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        messages.append(m)
+    non_tool = [m for m in messages if m["role"] != "tool"]
+    tool_results = sorted(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages if m["role"] == "tool")
+    tool_set = sorted(orjson.dumps(t, option=orjson.OPT_SORT_KEYS) for t in body.get("tools", []))
+    return non_tool, tool_results, tool_set, body.get("response_format")
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations())
+def test_canonicalize_is_deterministic_idempotent_and_preserves_semantics(body):
+    original = copy.deepcopy(body)
+    once, steps = canonicalize(body, ALL)
+    assert body == original and orjson.dumps(body) == orjson.dumps(original), "input must not be mutated"
+    again, _ = canonicalize(copy.deepcopy(original), ALL)
+    assert orjson.dumps(again) == orjson.dumps(once)  # deterministic, key order included
+    twice, steps_twice = canonicalize(once, ALL)
+    assert orjson.dumps(twice) == orjson.dumps(once) and steps_twice == []  # idempotent
+    assert semantic_view(once) == semantic_view(original)
+    assert set(steps) <= set(STEP_NAMES)
+    # user and assistant turns keep their order
+    roles = [m["role"] for m in once["messages"] if m["role"] != "tool"]
+    assert roles == [m["role"] for m in original["messages"] if m["role"] != "tool"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversations(), st.permutations(range(4)))
+def test_equal_requests_in_any_tool_or_key_order_become_identical(body, order):
+    shuffled = copy.deepcopy(body)
+    shuffled["tools"] = [shuffled["tools"][i] for i in order if i < len(shuffled["tools"])]
+    shuffled["tools"] = [{k: t[k] for k in reversed(list(t))} for t in shuffled["tools"]]
+    names = [t["function"]["name"] for t in body["tools"]]
+    if len(set(names)) == len(names):  # duplicate names keep their sent order (stable sort)
+        assert orjson.dumps(canonicalize(shuffled, ALL)[0]) == orjson.dumps(canonicalize(body, ALL)[0])
+
+
+def test_each_step_on_an_example():
+    body = {
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "b", "parameters": {"z": 1, "a": 2}}},
+                  {"type": "function", "function": {"name": "a"}}],
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {}}}},
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "b", "arguments": '{"y": 1,  "x": [1, 2]}'}},
+                {"id": "2", "type": "function", "function": {"name": "a", "arguments": "not json {"}},
+            ]},
+            {"role": "tool", "tool_call_id": "2", "content": "two"},
+            {"role": "tool", "tool_call_id": "1", "content": "one"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    }
+    result, steps = canonicalize(body, ALL)
+    assert steps == list(STEP_NAMES)
+    assert [t["function"]["name"] for t in result["tools"]] == ["a", "b"]
+    assert list(result["tools"][1]["function"]["parameters"]) == ["a", "z"]
+    assert list(result["response_format"]) == ["json_schema", "type"]
+    calls = result["messages"][1]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == '{"x":[1,2],"y":1}'
+    assert calls[1]["function"]["arguments"] == "not json {"
+    assert [m.get("tool_call_id") for m in result["messages"][2:4]] == ["1", "2"]
+    assert result["messages"][0]["content"] == "hi"
+    assert isinstance(result["messages"][4]["content"], list)  # two parts stay a list
+    assert canonicalize(body, NONE) == (body, [])
+
+
+def test_tool_results_not_matching_the_calls_are_left_alone():
+    messages = [
+        {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "9", "content": "stray"},
+        {"role": "tool", "tool_call_id": "1", "content": "one"},
+    ]
+    result, steps = canonicalize({"model": "m", "messages": messages}, ALL)
+    assert result["messages"] == messages and "tool_results.reordered" not in steps
+
+
+def test_switches_are_independent():
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "tools": [{"function": {"name": "b"}, "type": "function"}, {"type": "function", "function": {"name": "a"}}]}
+    only_parts = CanonicalizeSwitches(tools=False, response_format=False, tool_call_arguments=False,
+                                      tool_result_order=False, single_text_part=True)
+    result, steps = canonicalize(body, only_parts)
+    assert steps == ["content.single_text_part"]
+    assert result["tools"] == body["tools"] and list(result["tools"][0]) == ["function", "type"]

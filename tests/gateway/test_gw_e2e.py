@@ -1,0 +1,182 @@
+"""End to end: the official openai SDK against `prefixgate serve` (real bundled model,
+real engine child process, real HTTP on loopback). One server for the module."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from gw_fakes import free_port, rows
+
+from gateway.api_key import hash_key
+from gateway.database import default_db_url
+
+pytestmark = pytest.mark.real_model
+
+KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789", "raw": "raw-key-0123456789"}
+ADMIN = "admin-key-0123456789"
+MODEL = "SmolLM2-135M-Instruct"
+
+SYSTEM = (
+    "You are the support assistant of a bicycle shop. Answer briefly and politely. "
+    "Opening hours are nine to six on weekdays and ten to four on Saturdays. "
+    "We repair city bikes, road bikes and cargo bikes, and we sell spare parts."
+)
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "lookup_order", "description": "Find an order by its number.",
+        "parameters": {"type": "object", "properties": {"order_number": {"type": "string"},
+                                                         "include_items": {"type": "boolean"}},
+                       "required": ["order_number"]}}},
+    {"type": "function", "function": {
+        "name": "book_repair", "description": "Book a repair slot for a bike.",
+        "parameters": {"type": "object", "properties": {"day": {"type": "string"},
+                                                         "bike_type": {"type": "string"}},
+                       "required": ["day", "bike_type"]}}},
+]
+
+
+def reordered(tools):
+    """The same tools in the other order with every object's keys reversed."""
+    def flip(value):
+        if isinstance(value, dict):
+            return {k: flip(value[k]) for k in reversed(list(value))}
+        if isinstance(value, list):
+            return [flip(v) for v in value]
+        return value
+    return [flip(t) for t in reversed(copy.deepcopy(tools))]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("serve")
+    config = data / "gateway.toml"
+    config.write_text(
+        f'[server]\nadmin_keys = ["{hash_key(ADMIN)}"]\n'
+        + "".join(f'[tenants.{name}]\nkeys = ["{hash_key(key)}"]\n' for name, key in KEYS.items())
+        + "[tenants.raw.canonicalize]\ntools = false\n"
+    )
+    port, engine_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--engine-port", str(engine_port),
+         "--data-dir", str(data), "--config", str(config), "--log-level", "warning"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        assert process.poll() is None, "prefixgate serve exited during start-up"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "prefixgate serve did not become healthy"
+        time.sleep(0.5)
+    yield url, data
+    process.send_signal(signal.SIGINT)
+    try:
+        assert process.wait(120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    # the engine child is gone too: its port is free again
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=5)
+
+
+def client(server, tenant):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=300)
+
+
+def test_streaming_with_usage(server):
+    stream = client(server, "alpha").chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}],
+        max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_streaming_without_usage_still_records_tokens(server):
+    stream = client(server, "beta").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say one word about bikes."}],
+        max_tokens=4, temperature=0, stream=True,
+    )
+    chunks = list(stream)
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+
+
+def test_tools_cache_hit_with_reordered_tools_and_keys(server):
+    alpha = client(server, "alpha")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is order 4711?"}]
+    first = alpha.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0,
+    )
+    second = alpha.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=reordered(TOOLS), max_tokens=4, temperature=0,
+    )
+    assert "tools.ordered_by_name" in first.headers["x-prefixgate-canonicalized"]
+    assert "tools.keys_sorted" in second.headers["x-prefixgate-canonicalized"]
+    first, second = first.parse(), second.parse()
+    prompt = second.usage.prompt_tokens
+    assert first.usage.prompt_tokens == prompt > 100
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= prompt - 16, (cached, prompt)  # every full block of the prompt was reused
+    # the same pair without tool canonicalization diverges early and reuses much less
+    raw = client(server, "raw")
+    raw.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0)
+    raw_second = raw.chat.completions.create(model=MODEL, messages=messages, tools=reordered(TOOLS),
+                                             max_tokens=4, temperature=0)
+    assert raw_second.usage.prompt_tokens_details.cached_tokens < cached
+
+
+def test_tenant_isolation_even_with_the_same_client_salt(server):
+    messages = [{"role": "system", "content": SYSTEM + " Secret discount code: tenant A only."},
+                {"role": "user", "content": "What are your opening hours on Saturday?"}]
+    salt = {"cache_salt": "user-42"}
+    alpha, beta = client(server, "alpha"), client(server, "beta")
+    alpha.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body=salt)
+    again = alpha.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body=salt)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    replay = beta.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body=salt)
+    assert replay.usage.prompt_tokens_details.cached_tokens == 0
+    other_salt = alpha.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                               extra_body={"cache_salt": "user-43"})
+    assert other_salt.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_prefix_warnings_reach_the_sdk_and_errors_are_openai_shaped(server):
+    alpha = client(server, "alpha")
+    raw = alpha.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=2, temperature=0,
+        messages=[{"role": "system", "content": "Today is 2026-11-22T00:12:00Z."}, {"role": "user", "content": "hi"}],
+    )
+    assert "PS101" in raw.headers["x-prefixgate-warnings"]
+    assert any(w["code"] == "PS101" for w in raw.parse().model_extra["prefix_warnings"])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        alpha.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in alpha.models.list()] == [MODEL]
+
+
+def test_cache_stats_endpoint(server):
+    stats = httpx.get(server[0] + "/v1/cache/stats", headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert stats.status_code == 200
+    alpha = stats.json()["tenants"]["alpha"]
+    assert alpha["cached_tokens"] > 0 and 0 < alpha["hit_rate"] < 1
+    assert rows(default_db_url(server[1]))  # rows reach the SQLite file while serving

@@ -1,0 +1,83 @@
+"""The SSE relay on its own: split events, strip injected usage, attach warnings."""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.request_record import RequestRecord
+from gateway.sse_relay import SseRelay
+
+WARNINGS = [{"code": "PS101", "message": "m", "location": "messages[0]"}]
+
+
+def event(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chunk(content=None, finish=None, usage="absent"):
+    c = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content} if content else {},
+                                                         "finish_reason": finish}]}
+    if usage != "absent":
+        c["usage"] = usage
+    return c
+
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+def relay_all(relay, pieces):
+    out = []
+    for piece in pieces:
+        out.extend(relay.feed(piece))
+    out.extend(relay.finish())
+    return [orjson.loads(e[6:]) if b"[DONE]" not in e else "DONE" for e in out]
+
+
+def test_events_split_across_arbitrary_byte_boundaries():
+    stream = event(chunk("a")) + event(chunk("b", "stop")) + b"data: [DONE]\n\n"
+    for size in (1, 3, 7, len(stream)):
+        record = RequestRecord("chat.completions", "u")
+        relay = SseRelay(record, strip_usage=False, warnings=None)
+        pieces = [stream[i:i + size] for i in range(0, len(stream), size)]
+        out = []
+        for piece in pieces:
+            out.extend(relay.feed(piece))
+        assert b"".join(out) == stream  # forwarded byte for byte
+        assert relay.saw_done and record.ttft_ms is not None
+
+
+def test_injected_usage_is_stripped_and_recorded_and_warnings_go_on_the_finish_chunk():
+    record = RequestRecord("chat.completions", "u")
+    relay = SseRelay(record, strip_usage=True, warnings=WARNINGS)
+    stream = [event(chunk("a", usage=None)), event(chunk(None, "stop", usage=None)),
+              event({"object": "chat.completion.chunk", "choices": [], "usage": USAGE}), b"data: [DONE]\n\n"]
+    out = relay_all(relay, stream)
+    assert out[-1] == "DONE" and len(out) == 3
+    assert all("usage" not in c for c in out[:-1])
+    assert out[1]["prefix_warnings"] == WARNINGS and "prefix_warnings" not in out[0]
+    assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (40, 32, 2)
+
+
+def test_client_asked_usage_gets_it_with_warnings_on_it():
+    record = RequestRecord("chat.completions", "u")
+    relay = SseRelay(record, strip_usage=False, warnings=WARNINGS)
+    out = relay_all(relay, [event(chunk("a", "stop", usage=None)),
+                            event({"choices": [], "usage": USAGE}), b"data: [DONE]\n\n"])
+    assert out[0]["usage"] is None and "prefix_warnings" not in out[0]
+    assert out[1]["usage"] == USAGE and out[1]["prefix_warnings"] == WARNINGS
+
+
+def test_warnings_without_a_final_chunk_get_their_own_before_done():
+    relay = SseRelay(RequestRecord("completions", "u"), strip_usage=True, warnings=WARNINGS)
+    out = relay_all(relay, [event({"choices": [{"text": "x", "finish_reason": None}]}), b"data: [DONE]\n\n"])
+    assert out[1] == {"object": "chat.completion.chunk", "choices": [], "prefix_warnings": WARNINGS}
+    assert out[2] == "DONE"
+
+
+def test_missing_cached_tokens_stays_unknown_and_crlf_is_handled():
+    record = RequestRecord("chat.completions", "u")
+    relay = SseRelay(record, strip_usage=False, warnings=None)
+    raw = b"data: " + orjson.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}) + b"\r\n\r\n"
+    out = relay.feed(raw) + relay.feed(b": keep-alive\r\n\r\ndata: [DONE]\r\n\r\n") + relay.finish()
+    assert out[1:] == [b": keep-alive\n\n", b"data: [DONE]\n\n"]  # comments pass through
+    assert record.prompt_tokens == 5 and record.cached_tokens is None and relay.saw_done

@@ -1,0 +1,96 @@
+"""The example corpora: planted breaks found at their lines, a hand-computed hit rate, a clean corpus."""
+
+import importlib.util
+from pathlib import Path
+
+from linter.config import LintConfig
+from linter.corpus import load_file
+from linter.render import render
+from linter.runner import lint_paths
+from linter.tokenizer import ApproxTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+BLOCK = 16
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_requests", EXAMPLES / "generate_requests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CharTokenizer:
+    """One token per character: an explicit tokenization a test can reason about."""
+
+    name = "characters"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_example_files_are_up_to_date(tmp_path, monkeypatch):
+    generator = _generator()
+    monkeypatch.setattr(generator, "HERE", tmp_path)
+    (tmp_path / "clean").mkdir()
+    generator.main()
+    assert (tmp_path / "requests.jsonl").read_text() == (EXAMPLES / "requests.jsonl").read_text()
+    assert (tmp_path / "clean" / "requests.jsonl").read_text() == (EXAMPLES / "clean" / "requests.jsonl").read_text()
+
+
+def test_planted_breaks_are_all_found_at_their_lines():
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(), ApproxTokenizer())
+    found = sorted((f.line, f.code) for f in report.findings)
+    assert found == sorted(_generator().PLANTED)
+    assert report.problems == []
+    for finding in report.findings:
+        assert finding.path.endswith("requests.jsonl") and finding.column >= 1
+
+
+def test_planted_source_breaks_are_found_and_noqa_respected():
+    path = EXAMPLES / "prompt_builder.py"
+    report = lint_paths([path], LintConfig(), ApproxTokenizer())
+    lines = path.read_text().splitlines()
+    expected = sorted((n, f"PS{c}") for n, line in enumerate(lines, 1) for c in ("301", "302", "303", "304", "305") if f"# PS{c}" in line)
+    assert sorted((f.line, f.code) for f in report.findings) == expected
+    assert len(expected) == 5
+
+
+def _hand_hit_rate(texts):
+    """Unbounded cache: a prompt hits the full blocks it shares with any earlier prompt,
+    never its last token."""
+    hits = total = 0
+    for i, text in enumerate(texts):
+        best = 0
+        for earlier in texts[:i]:
+            n = 0
+            while n < min(len(text), len(earlier)) and text[n] == earlier[n]:
+                n += 1
+            best = max(best, n // BLOCK)
+        hits += min(best, (len(text) - 1) // BLOCK) * BLOCK
+        total += len(text)
+    return hits, total
+
+
+def test_estimate_equals_hand_computed_hit_rate():
+    records = load_file(EXAMPLES / "requests.jsonl", [])
+    texts = [render(r.body).text for r in records]
+    hits, total = _hand_hit_rate(texts)
+    assert 0 < hits < total
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(), CharTokenizer())
+    est = report.estimate
+    assert (est.cached_tokens, est.prompt_tokens) == (hits, total)
+    assert est.hit_rate == hits / total
+    assert est.hit_rate_after_fixes > est.hit_rate
+    gains = {g.code: g.tokens_gained for g in est.per_rule}
+    assert gains["PS202"] > 0 and gains["PS101"] > 0
+
+
+def test_clean_corpus_has_zero_findings():
+    report = lint_paths([EXAMPLES / "clean"], LintConfig(), ApproxTokenizer())
+    assert report.findings == []
+    assert report.problems == []
+    assert report.files == 2
+    assert report.estimate.requests == 7
+    assert report.estimate.hit_rate_after_fixes == report.estimate.hit_rate
