@@ -88,6 +88,8 @@ async def fake_upstream(scope: Any, receive: Any, send: Any) -> None:
     body = b""
     while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            return
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
@@ -176,22 +178,28 @@ async def paired_latency(direct: str, gateway: str, n: int) -> dict[str, Any]:
     }
 
 
-async def throughput(url: str, concurrency: int, total: int, stream: bool) -> float:
+async def throughput(url: str, concurrency: int, total: int, stream: bool) -> tuple[float, list[str]]:
+    """Successful requests per second, and the errors seen (reported, never hidden)."""
     body = {**BODY, "stream": stream}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
         await asyncio.gather(*(one(client, url, body) for _ in range(concurrency)))  # open connections
         remaining = total
+        errors: list[str] = []
 
         async def worker() -> None:
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
-                await one(client, url, body)
+                try:
+                    await one(client, url, body)
+                except (httpx.HTTPError, RuntimeError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return total / (time.perf_counter() - started)
+        rate = (total - len(errors)) / (time.perf_counter() - started)
+        return rate, errors
 
 
 # --------------------------------------------------------------------------- main
@@ -228,17 +236,20 @@ def main() -> int:
             rates = []
             for stream in (False, True):
                 for concurrency, total in per_level.items():
+                    direct_rps, direct_errors = asyncio.run(throughput(direct, concurrency, total, stream))
+                    gateway_rps, gateway_errors = asyncio.run(throughput(gateway, concurrency, total, stream))
                     rates.append({
                         "stream": stream, "concurrency": concurrency, "requests": total,
-                        "direct_rps": asyncio.run(throughput(direct, concurrency, total, stream)),
-                        "gateway_rps": asyncio.run(throughput(gateway, concurrency, total, stream)),
+                        "direct_rps": direct_rps, "gateway_rps": gateway_rps,
+                        "direct_errors": len(direct_errors), "gateway_errors": len(gateway_errors),
+                        "error_samples": sorted(set(direct_errors + gateway_errors))[:5],
                     })
         finally:
             for process in reversed(processes):
                 process.terminate()
                 process.wait(30)
     report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform()},
+                          "platform": platform.platform(), "load_average_1m": os.getloadavg()[0]},
               "latency_concurrency_1": latency, "throughput": rates,
               "target_added_p50_ms": 2.0, "meets_target": latency["added_p50_ms"] <= 2.0}
     print_report(report)
@@ -258,11 +269,16 @@ def print_report(report: dict[str, Any]) -> None:
           f"(paired median {lat['paired_added_median_ms']:.2f} ms; target p50 <= 2 ms: "
           f"{'met' if report['meets_target'] else 'NOT met'})")
     print("\nThroughput (requests/s)")
-    print(f"  {'mode':10} {'conc.':>5} {'direct':>9} {'gateway':>9} {'ratio':>6}")
+    print(f"  {'mode':10} {'conc.':>5} {'direct':>9} {'gateway':>9} {'ratio':>6} {'errors d/g':>11}")
     for row in report["throughput"]:
         mode = "stream" if row["stream"] else "json"
         ratio = row["gateway_rps"] / row["direct_rps"]
-        print(f"  {mode:10} {row['concurrency']:5d} {row['direct_rps']:9.0f} {row['gateway_rps']:9.0f} {ratio:6.2f}")
+        errors = f"{row['direct_errors']}/{row['gateway_errors']}"
+        print(f"  {mode:10} {row['concurrency']:5d} {row['direct_rps']:9.0f} {row['gateway_rps']:9.0f} {ratio:6.2f}"
+              f" {errors:>11}")
+    samples = sorted({s for row in report["throughput"] for s in row["error_samples"]})
+    for sample in samples[:5]:
+        print(f"  error sample: {sample}")
 
 
 if __name__ == "__main__":

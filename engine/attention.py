@@ -10,8 +10,8 @@ different greedy tokens). This module computes attention with plain matrix
 products instead, which are row-independent on CPU (each query row's result
 depends only on that row and the keys), and pads the key length to a multiple of
 :data:`KV_PAD` so that vectorised reductions see the same shape of tail; padded
-keys are zero and masked. Precision matches transformers' "eager" attention
-(scores in the model dtype, softmax in float32).
+keys are zero and masked. Precision matches transformers' "eager" attention:
+scores and probabilities in the model dtype, softmax accumulated in float32.
 
 The mask is derived from ``position_ids``: query ``i`` attends key ``j`` iff
 ``j <= position_i``; this relies on key index ``j`` holding position ``j``, which
@@ -61,14 +61,14 @@ def position_masked_attention(
         end = min(num_q, start + Q_CHUNK)
         rows = end - start
         seen = min(padded_length(max(positions[start:end]) + 1), key.shape[2])
-        q = query[:, :, start:end].reshape(1, kv_heads, group * rows, head_dim)
-        scores = torch.matmul(q, key[:, :, :seen].transpose(-1, -2)).float().mul_(scale)
+        q = query[:, :, start:end].reshape(1, kv_heads, group * rows, head_dim) * scale
+        scores = torch.matmul(q, key[:, :, :seen].transpose(-1, -2))
         first_hidden = min(positions[start:end]) + 1  # keys before this are seen by every row
         if first_hidden < seen:
             hidden = key_index[None, first_hidden:seen] > position_ids[0, start:end, None]
             tail = scores.view(1, kv_heads, group, rows, seen)[..., first_hidden:]
             tail.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
         chunk = torch.matmul(probs, value[:, :, :seen])
         out[:, start:end] = chunk.view(1, heads, rows, head_dim).transpose(1, 2)
     return out, None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.block_hash import BlockHash
 from engine.detokenizer import Detokenizer
 from engine.model_runner import SequenceState
 from engine.output_stream import GenerationRequest, OutputStream
@@ -28,6 +29,8 @@ from engine.sampler import make_generator
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+
+INITIAL_OUTPUT_CAPACITY = 256
 
 
 class EngineRequest:
@@ -61,9 +64,15 @@ class EngineRequest:
         )
         assert new_blocks is not None, "the scheduler admitted a request whose blocks do not fit"
         self.num_cached_tokens = num_cached
-        capacity = min(self.num_prompt_tokens + self.params.max_tokens, self.engine.max_model_len)
+        # The working cache grows by doubling, so a large max_tokens costs nothing up front.
+        expected = self.num_prompt_tokens + min(self.params.max_tokens, INITIAL_OUTPUT_CAPACITY)
+        capacity = min(expected, self.engine.max_model_len)
         self.state, logits = self.engine.runner.prefill(
-            self.kv.all_token_ids, num_cached, kvm.get_block_ids(self.request_id), capacity
+            self.kv.all_token_ids,
+            num_cached,
+            kvm.get_block_ids(self.request_id),
+            capacity,
+            hit_hashes=[b.block_hash for b in hit_blocks if b.block_hash is not None],
         )
         return logits
 
@@ -86,6 +95,12 @@ class EngineRequest:
         ):
             reason = "length"
         return reason
+
+    def written_block_hashes(self) -> list[BlockHash]:
+        """Hashes of the full blocks whose K/V the working cache holds."""
+        if self.state is None:
+            return []
+        return self.kv.block_hashes[: self.state.num_computed // self.engine.block_size]
 
     def forget_unwritten_blocks(self) -> None:
         """After a failed forward: drop the hashes of blocks whose K/V were never written."""

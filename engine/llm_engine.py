@@ -260,7 +260,7 @@ class LLMEngine:
                 observer(ttft)
         finished = reason is not None
         if finished:
-            self._release(req)
+            self._release(req, keep_working_cache=True)
         self._emit(req, [token], req.detokenizer.take_new_text(finished), reason)
 
     def _abort_now(self, request_id: str) -> None:
@@ -271,7 +271,7 @@ class LLMEngine:
     def _finish(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
         text = req.detokenizer.take_new_text(True) if reason != "error" else ""
         self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
-        self._release(req)
+        self._release(req, keep_working_cache=reason == "abort")
         self._emit(req, [], text, reason, error)
 
     def _emit(
@@ -290,8 +290,12 @@ class LLMEngine:
         if not req.stream.put(output) and reason is None:
             self.abort(req.request_id)  # the consumer's event loop is gone
 
-    def _release(self, req: EngineRequest) -> None:
+    def _release(self, req: EngineRequest, keep_working_cache: bool = False) -> None:
+        """Free the request's blocks; a cleanly stopped request's working cache becomes
+        the runner's spare (never after a failed forward, which may have left it torn)."""
         self.scheduler.remove(req.request_id)
+        if keep_working_cache and req.state is not None and self.config.enable_prefix_caching:
+            self.runner.retain(req.state, req.written_block_hashes())
         self.kv_cache_manager.free(req.request_id)
         req.state = None
         self._num_finished += 1

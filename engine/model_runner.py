@@ -28,29 +28,38 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from engine.attention import padded_length
+from engine.block_hash import BlockHash
 from engine.kv_storage import KVStorage
 
 
 class _WorkingLayer(DynamicLayer):
-    """One layer of a request's working cache: a preallocated ``[1, kv_heads, capacity,
-    head_dim]`` buffer filled left to right, so appending a token copies only that token.
+    """One layer of a request's working cache, filled left to right so that appending a
+    token copies only that token.
 
-    :meth:`update` returns views padded with zeros to a whole number of attention
-    key chunks (see :mod:`engine.attention`, which masks the padding by position).
+    Keys are stored transposed, ``[1, kv_heads, head_dim, capacity]``, values as
+    ``[1, kv_heads, capacity, head_dim]``: the two attention products then read both
+    operands in the layout the CPU GEMM kernels take without a copy (a transposed
+    key view costs ~30x more per product). :meth:`update` returns ``[1, kv_heads,
+    n, head_dim]`` views padded with zeros to :func:`padded_length` (see
+    :mod:`engine.attention`, which masks the padding by position).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    def __init__(self, keys_t: torch.Tensor, values: torch.Tensor, length: int) -> None:
         super().__init__()
-        assert keys.shape[-2] == padded_length(keys.shape[-2])
-        self._key_buf = keys
-        self._value_buf = values
+        capacity = values.shape[-2]
+        assert keys_t.shape[-1] == capacity == padded_length(capacity)
+        self._keys_t = keys_t
+        self._values = values
         self.length = length
-        self.dtype, self.device = keys.dtype, keys.device
-        self.keys = keys[:, :, :length]
-        self.values = values[:, :, :length]
+        self.dtype, self.device = values.dtype, values.device
         self.is_initialized = True
-        keys[:, :, length:].zero_()
+        keys_t[..., length:].zero_()
         values[:, :, length:].zero_()
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._keys_t[..., : self.length].transpose(-1, -2)
+        self.values = self._values[:, :, : self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -59,30 +68,36 @@ class _WorkingLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.length, self.length + key_states.shape[-2]
-        if end > self._key_buf.shape[-2]:
+        if end > self._values.shape[-2]:
             self._grow(end)
-        self._key_buf[:, :, start:end].copy_(key_states)
-        self._value_buf[:, :, start:end].copy_(value_states)
+        self._keys_t[..., start:end].copy_(key_states.transpose(-1, -2))
+        self._values[:, :, start:end].copy_(value_states)
         self.length = end
-        self.keys = self._key_buf[:, :, :end]
-        self.values = self._value_buf[:, :, :end]
+        self._expose()
         padded = padded_length(end)
-        return self._key_buf[:, :, :padded], self._value_buf[:, :, :padded]
+        return self._keys_t[..., :padded].transpose(-1, -2), self._values[:, :, :padded]
 
     def _grow(self, needed: int) -> None:
-        capacity = padded_length(max(needed, 2 * self._key_buf.shape[-2]))
-        for name in ("_key_buf", "_value_buf"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
-            new[:, :, : self.length].copy_(old[:, :, : self.length])
-            setattr(self, name, new)
+        capacity = padded_length(max(needed, 2 * self._values.shape[-2]))
+        keys_t = self._keys_t.new_zeros((*self._keys_t.shape[:3], capacity))
+        values = self._values.new_zeros((*self._values.shape[:2], capacity, self._values.shape[-1]))
+        keys_t[..., : self.length].copy_(self._keys_t[..., : self.length])
+        values[:, :, : self.length].copy_(self._values[:, :, : self.length])
+        self._keys_t, self._values = keys_t, values
 
     def get_seq_length(self) -> int:
         return self.length
 
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on; their stale (finite) K/V stay in the
+        buffers, where attention masks them exactly like zero padding."""
+        assert 0 <= length <= self.length
+        self.length = length
+        self._expose()
+
     def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``[start, end)``, ``[kv_heads, n, head_dim]`` views."""
-        return self._key_buf[0, :, start:end], self._value_buf[0, :, start:end]
+        return self._keys_t[0, :, :, start:end].transpose(-1, -2), self._values[0, :, start:end]
 
 
 class SequenceState:
@@ -99,12 +114,40 @@ class SequenceState:
 
 
 class ModelRunner:
-    """Executes forwards of a causal LM against a block-laid-out :class:`KVStorage`."""
+    """Executes forwards of a causal LM against a block-laid-out :class:`KVStorage`.
+
+    It keeps at most one *spare* working cache: the one of the last request that
+    finished cleanly, named by the hashes of the full blocks it holds. A prefill
+    whose hit ends on one of those hashes takes the spare instead of gathering
+    from the blocks: the hash chain names the whole prefix (tokens, salt, extra
+    keys), so the spare holds exactly the K/V the hit blocks hold.
+    """
 
     def __init__(self, model: Any, storage: KVStorage) -> None:
         self.model = model
         self.storage = storage
         self.num_layers = storage.layout.num_layers
+        self._spare: tuple[list[BlockHash], SequenceState] | None = None
+        self.num_spare_reuses = 0
+
+    def retain(self, state: SequenceState, block_hashes: Sequence[BlockHash]) -> None:
+        """Keep ``state`` as the spare; ``block_hashes`` name its first full blocks."""
+        self._spare = (list(block_hashes), state) if block_hashes else None
+
+    def _take_spare(self, hit_hashes: Sequence[BlockHash]) -> SequenceState | None:
+        spare, self._spare = self._spare, None
+        if spare is None or not hit_hashes:
+            return None
+        hashes, state = spare
+        n = len(hit_hashes)
+        if len(hashes) < n or hashes[n - 1] != hit_hashes[-1]:
+            return None
+        num_cached = n * self.storage.layout.block_size
+        for i in range(self.num_layers):
+            state.layer(i).truncate(num_cached)
+        state.num_computed = num_cached
+        self.num_spare_reuses += 1
+        return state
 
     @torch.inference_mode()
     def prefill(
@@ -113,16 +156,22 @@ class ModelRunner:
         num_cached: int,
         block_ids: Sequence[int],
         capacity: int,
+        hit_hashes: Sequence[BlockHash] = (),
     ) -> tuple[SequenceState, torch.Tensor]:
         """Run ``token_ids[num_cached:]`` over the K/V of the first ``num_cached`` tokens.
 
-        ``num_cached`` must be a multiple of the block size (whole hit blocks); the
-        working cache is sized for ``capacity`` tokens. Returns the request's state
-        and the float32 logits of the last token.
+        ``num_cached`` must be a multiple of the block size (whole hit blocks, whose
+        hashes are ``hit_hashes``); the working cache is sized for ``capacity``
+        tokens (it grows if needed). Returns the request's state and the float32
+        logits of the last token.
         """
         bs = self.storage.layout.block_size
         assert num_cached % bs == 0 and num_cached < len(token_ids), (num_cached, len(token_ids))
-        state = SequenceState(self._gather(block_ids[: num_cached // bs], num_cached, capacity), num_cached)
+        assert not hit_hashes or len(hit_hashes) * bs == num_cached
+        state = self._take_spare(hit_hashes) if num_cached else None
+        if state is None:
+            cache = self._gather(block_ids[: num_cached // bs], num_cached, capacity)
+            state = SequenceState(cache, num_cached)
         logits = self._forward(state, token_ids[num_cached:], block_ids)
         return state, logits
 
@@ -133,17 +182,17 @@ class ModelRunner:
 
     def _gather(self, hit_block_ids: Sequence[int], num_cached: int, capacity: int) -> DynamicCache:
         layout = self.storage.layout
-        shape = (1, layout.kv_heads, padded_length(max(capacity, num_cached + 1)), layout.head_dim)
+        cap = padded_length(max(capacity, num_cached + 1))
         ids = torch.tensor(hit_block_ids, dtype=torch.long)
         layers: list[Any] = []
         for i in range(self.num_layers):
-            keys = torch.empty(shape, dtype=layout.dtype)
-            values = torch.empty(shape, dtype=layout.dtype)
+            keys_t = torch.empty((1, layout.kv_heads, layout.head_dim, cap), dtype=layout.dtype)
+            values = torch.empty((1, layout.kv_heads, cap, layout.head_dim), dtype=layout.dtype)
             if num_cached:
                 self.storage.read_blocks_into(
-                    i, ids, keys[0, :, :num_cached], values[0, :, :num_cached]
+                    i, ids, keys_t[0, :, :, :num_cached].transpose(-1, -2), values[0, :, :num_cached]
                 )
-            layers.append(_WorkingLayer(keys, values, num_cached))
+            layers.append(_WorkingLayer(keys_t, values, num_cached))
         cache = DynamicCache()
         cache.layers = layers
         cache.layer_class_to_replicate = None

@@ -75,6 +75,7 @@ def ensure_converted_model(gguf_path: Path | None = None, name: str | None = Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         _convert(gguf, tmp)
+        _make_readable(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -86,6 +87,13 @@ def ensure_converted_model(gguf_path: Path | None = None, name: str | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted model ready at %s", target)
     return target
+
+
+def _make_readable(model_dir: Path) -> None:
+    """mkdtemp creates 0700 directories; a shared model cache should be world-readable."""
+    os.chmod(model_dir, 0o755)
+    for path in model_dir.iterdir():
+        os.chmod(path, 0o644)
 
 
 def _name_for(gguf: Path) -> str:

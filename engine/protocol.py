@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import APIError, context_length_exceeded, invalid_param, unsupported_param
+from engine.errors import context_length_exceeded, invalid_param, unsupported_param
 from engine.request import MAX_CACHE_SALT_CHARS
 from engine.sampling_params import SamplingParams
 
@@ -308,6 +308,3 @@ def _check_response_format(value: object) -> None:
             f"response_format type {value['type']!r} is not supported; only 'text' is.",
             "response_format",
         )
-
-
-__all__ = ["APIError", "GenerationBody", "parse_chat_body", "parse_completion_body"]

@@ -94,7 +94,7 @@ def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = Non
 
     async def health(request: Request) -> Response:
         try:
-            await state.upstream.get("/health", timeout=5.0)
+            await state.upstream.check_health()
         except GatewayError as error:
             return _json({"status": "degraded", "upstream": error.message}, status=503)
         return _json({"status": "ok", "upstream": "ok"})

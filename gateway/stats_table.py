@@ -12,8 +12,8 @@ Columns (the linter reads this table, keep them stable):
 - ``prompt_tokens``, ``completion_tokens``: from the upstream's usage, NULL if absent;
 - ``cached_tokens``: ``usage.prompt_tokens_details.cached_tokens``; NULL means
   *unknown* (the upstream did not report it), never silently 0;
-- ``ttft_ms``: time to the first upstream body byte (non-stream) or the first SSE
-  event (stream); ``latency_ms``: until the last byte was sent;
+- ``ttft_ms``: time to the first SSE event (stream) or to the upstream's complete
+  answer (non-stream); ``latency_ms``: until the response was handed to the server;
 - ``warning_codes``, ``canonicalization``: comma-separated, sorted, unique codes /
   step names in the order applied ("" when none);
 - ``error_code``: the OpenAI error ``code`` for failed requests, else NULL.

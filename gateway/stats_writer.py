@@ -2,7 +2,9 @@
 
 The event loop only calls :meth:`StatsWriter.submit` (a non-blocking queue put).
 A dedicated thread drains the queue and inserts rows in batches of up to
-``batch_size`` in one transaction. :meth:`close` (called from the app's lifespan
+``batch_size`` in one transaction; after the first row of a batch it waits up to
+``max_delay_s`` for more, so a busy gateway writes many rows per transaction
+instead of holding the GIL for one insert per request. :meth:`close` (called from the app's lifespan
 on graceful shutdown) drains every queued row before it returns, so no row is
 lost. A failed insert is retried once per batch and then logged with the number
 of rows dropped (counted in :attr:`dropped`).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from sqlalchemy import Engine, insert
@@ -31,9 +34,10 @@ class _Flush:
 
 
 class StatsWriter:
-    def __init__(self, engine: Engine, *, batch_size: int = 256) -> None:
+    def __init__(self, engine: Engine, *, batch_size: int = 256, max_delay_s: float = 0.25) -> None:
         self.engine = engine
         self.batch_size = batch_size
+        self.max_delay_s = max_delay_s
         self.written = 0
         self.dropped = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -65,6 +69,7 @@ class StatsWriter:
             batch: list[dict[str, Any]] = []
             flushes: list[_Flush] = []
             item = self._queue.get()
+            deadline = time.monotonic() + self.max_delay_s
             while True:
                 if item is _STOP:
                     stopping = True
@@ -72,10 +77,10 @@ class StatsWriter:
                     flushes.append(item)
                 else:
                     batch.append(item)
-                if stopping or len(batch) >= self.batch_size:
+                if stopping or flushes or len(batch) >= self.batch_size:
                     break
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
             if stopping:

@@ -109,7 +109,16 @@ class Upstream:
             raise error_for_status(response.status_code, response.content)
         return parse_json_object(response.content), response.content
 
-    async def get(self, path: str, timeout: float | None = None) -> dict[str, Any]:
+    async def get(self, path: str) -> dict[str, Any]:
+        """GET a JSON object (e.g. ``/v1/models``), or a gateway error."""
+        response = await self._get(path, None)
+        return parse_json_object(response.content)
+
+    async def check_health(self, timeout: float = 5.0) -> None:
+        """Return if the upstream's ``/health`` answers 2xx; raise a gateway error otherwise."""
+        await self._get("/health", timeout)
+
+    async def _get(self, path: str, timeout: float | None) -> httpx.Response:
         try:
             if timeout is None:
                 response = await self.client.get(self.base_url + path)
@@ -119,9 +128,7 @@ class Upstream:
             raise translate(exc) from None
         if response.status_code >= 300:
             raise error_for_status(response.status_code, response.content)
-        if path == "/health":
-            return {}
-        return parse_json_object(response.content)
+        return response
 
     @asynccontextmanager
     async def stream(self, path: str, content: bytes) -> AsyncIterator[AsyncIterator[bytes]]:

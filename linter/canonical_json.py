@@ -18,7 +18,7 @@ from linter.rule import Body
 
 def sort_keys(value: Any) -> Any:
     """``value`` with every object's keys sorted (recursively)."""
-    if isinstance(value, Mapping):
+    if isinstance(value, (dict, Mapping)):
         return {k: sort_keys(value[k]) for k in sorted(value, key=str)}
     if isinstance(value, list):
         return [sort_keys(v) for v in value]
@@ -27,7 +27,7 @@ def sort_keys(value: Any) -> Any:
 
 def is_sorted(value: Any) -> bool:
     """True when every object inside ``value`` lists its keys in sorted order."""
-    if isinstance(value, Mapping):
+    if isinstance(value, (dict, Mapping)):
         keys = [str(k) for k in value]
         return keys == sorted(keys) and all(is_sorted(v) for v in value.values())
     if isinstance(value, list):
@@ -55,8 +55,8 @@ def _canonical_arguments(message: Mapping[str, Any]) -> Mapping[str, Any]:
     new_calls: list[Any] = []
     changed = False
     for call in calls:
-        function = call.get("function") if isinstance(call, Mapping) else None
-        args = function.get("arguments") if isinstance(function, Mapping) else None
+        function = call.get("function") if isinstance(call, (dict, Mapping)) else None
+        args = function.get("arguments") if isinstance(function, (dict, Mapping)) else None
         if isinstance(args, str):
             ok, value = parse_json(args)
             if ok and canonical_text(value) != args:
@@ -71,8 +71,8 @@ def _sorted_parameters(tools: Any) -> Any:
         return tools
     out: list[Any] = []
     for tool in tools:
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if isinstance(function, Mapping) and "parameters" in function and not is_sorted(function["parameters"]):
+        function = tool.get("function") if isinstance(tool, (dict, Mapping)) else None
+        if isinstance(function, (dict, Mapping)) and "parameters" in function and not is_sorted(function["parameters"]):
             tool = {**tool, "function": {**function, "parameters": sort_keys(function["parameters"])}}
         out.append(tool)
     return out if any(a is not b for a, b in zip(out, tools, strict=True)) else tools
@@ -99,7 +99,7 @@ def canonicalize_body(body: Body, *, whole_tools: bool = True) -> Body:
         changed = True
     raw = body.get("messages")
     if isinstance(raw, list):
-        new_messages = [_canonical_arguments(m) if isinstance(m, Mapping) else m for m in raw]
+        new_messages = [_canonical_arguments(m) if isinstance(m, (dict, Mapping)) else m for m in raw]
         if any(a is not b for a, b in zip(new_messages, raw, strict=True)):
             fixed["messages"] = new_messages
             changed = True

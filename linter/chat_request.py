@@ -20,7 +20,7 @@ def messages(body: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
     raw = body.get("messages")
     if not isinstance(raw, list):
         return []
-    return [(i, m) for i, m in enumerate(raw) if isinstance(m, Mapping)]
+    return [(i, m) for i, m in enumerate(raw) if isinstance(m, (dict, Mapping))]
 
 
 def role(message: Mapping[str, Any]) -> str:
@@ -35,7 +35,7 @@ def content_texts(message: Mapping[str, Any], prefix: str) -> Iterator[tuple[str
         yield f"{prefix}.content", content
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            if isinstance(part, (dict, Mapping)) and isinstance(part.get("text"), str):
                 yield f"{prefix}.content[{j}].text", part["text"]
 
 
@@ -49,12 +49,12 @@ def tools(body: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
     raw = body.get("tools")
     if not isinstance(raw, list):
         return []
-    return [(i, t) for i, t in enumerate(raw) if isinstance(t, Mapping)]
+    return [(i, t) for i, t in enumerate(raw) if isinstance(t, (dict, Mapping))]
 
 
 def tool_name(tool: Mapping[str, Any]) -> str:
     function = tool.get("function")
-    if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+    if isinstance(function, (dict, Mapping)) and isinstance(function.get("name"), str):
         return str(function["name"])
     name = tool.get("name")
     return name if isinstance(name, str) else ""
@@ -64,7 +64,7 @@ def json_strings(value: Any, prefix: str) -> Iterator[tuple[str, str]]:
     """``(json path, string)`` for every string inside a JSON value (keys excluded)."""
     if isinstance(value, str):
         yield prefix, value
-    elif isinstance(value, Mapping):
+    elif isinstance(value, (dict, Mapping)):
         for key, child in value.items():
             yield from json_strings(child, f"{prefix}.{key}")
     elif isinstance(value, list):
@@ -104,7 +104,7 @@ def static_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     if isinstance(raw_tools, list):
         yield from json_texts(raw_tools, "tools")
     response_format = body.get("response_format")
-    if isinstance(response_format, Mapping):
+    if isinstance(response_format, (dict, Mapping)):
         yield from json_texts(response_format, "response_format")
 
 
@@ -112,4 +112,4 @@ def tool_calls(message: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     raw = message.get("tool_calls")
     if not isinstance(raw, list):
         return []
-    return [c for c in raw if isinstance(c, Mapping)]
+    return [c for c in raw if isinstance(c, (dict, Mapping))]

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 REQUEST_SUFFIXES = (".json", ".jsonl", ".ndjson")
 
 
@@ -115,8 +117,8 @@ def load_file(path: Path, problems: list[LoadProblem]) -> list[Record]:
             if not raw:
                 continue
             try:
-                value = json.loads(raw)
-            except ValueError as exc:
+                value = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
                 problems.append(LoadProblem(name, n + 1, f"invalid JSON: {exc}"))
                 continue
             _add(records, problems, name, value, text, begin, end, starts)

@@ -49,13 +49,22 @@ class Divergence:
 
 
 def common_prefix_len(a: T, b: T) -> int:
-    """Length of the longest common prefix of two strings or two token lists (binary search)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:
+    """Length of the longest common prefix of two strings or two token lists.
+
+    Compares in chunks (C-speed slice equality), then bisects inside the first
+    differing chunk: linear in the shared length.
+    """
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    chunk = 1024
+    lo = 0
+    while lo + chunk <= limit and a[lo : lo + chunk] == b[lo : lo + chunk]:
+        lo += chunk
+    base, hi = lo, min(lo + chunk, limit)
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[base:mid] == b[base:mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -72,7 +81,7 @@ def first_turn(body: Mapping[str, Any]) -> Any:
 
 def _conversation_id(body: Mapping[str, Any]) -> str | None:
     metadata = body.get("metadata")
-    value = metadata.get("conversation_id") if isinstance(metadata, Mapping) else None
+    value = metadata.get("conversation_id") if isinstance(metadata, (dict, Mapping)) else None
     return value if isinstance(value, str) and value else None
 
 
@@ -84,9 +93,19 @@ def is_same_conversation(previous: Mapping[str, Any], current: Mapping[str, Any]
     return first_turn(previous) is not None and first_turn(previous) == first_turn(current)
 
 
-def tokens_lost(expected: str, current: str, tokenizer: Tokenizer, block_size: int) -> int:
-    """Tokens of ``expected``'s full blocks that ``current`` no longer shares."""
-    a, b = tokenizer.encode(expected), tokenizer.encode(current)
+def _encode(rendered: Rendered, end: int, tokenizer: Tokenizer) -> list[int]:
+    """Tokens of ``rendered.text[:end]``; ``end`` must be a segment boundary for the fast path."""
+    if isinstance(tokenizer, ApproxTokenizer):
+        count = rendered.parts_before(end)
+        if count is not None:
+            return tokenizer.encode_parts(rendered.parts[:count])
+    return tokenizer.encode(rendered.text[:end])
+
+
+def tokens_lost(previous: Rendered, expected_end: int, current: Rendered, tokenizer: Tokenizer, block_size: int) -> int:
+    """Tokens of the full blocks of ``previous.text[:expected_end]`` that ``current`` no longer shares."""
+    a = _encode(previous, expected_end, tokenizer)
+    b = _encode(current, len(current.text), tokenizer)
     shared = common_prefix_len(a, b)
     return max(0, (len(a) // block_size - shared // block_size) * block_size)
 
@@ -114,14 +133,14 @@ def _tools_cause(previous: Mapping[str, Any], current: Mapping[str, Any], locati
         if i < len(raw_a) and i < len(raw_b):
             if sort_keys(raw_a[i]) == sort_keys(raw_b[i]):
                 return "PS203", f"tools[{i}] has the same content but a different JSON key order"
-            name = chat_request.tool_name(raw_a[i]) if isinstance(raw_a[i], Mapping) else ""
+            name = chat_request.tool_name(raw_a[i]) if isinstance(raw_a[i], (dict, Mapping)) else ""
             return "PS202", f"definition of tool {name or i!r} changed"
     return "PS202", "tool definitions changed"
 
 
 def _message(body: Mapping[str, Any], index: int) -> Mapping[str, Any] | None:
     raw = body.get("messages")
-    if isinstance(raw, list) and index < len(raw) and isinstance(raw[index], Mapping):
+    if isinstance(raw, list) and index < len(raw) and isinstance(raw[index], (dict, Mapping)):
         message: Mapping[str, Any] = raw[index]
         return message
     return None
@@ -150,7 +169,7 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
 
 def _args(call: Mapping[str, Any]) -> Any:
     function = call.get("function")
-    args = function.get("arguments") if isinstance(function, Mapping) else None
+    args = function.get("arguments") if isinstance(function, (dict, Mapping)) else None
     if isinstance(args, str):
         ok, value = parse_json(args)
         return canonical_text(value) if ok else args
@@ -199,7 +218,7 @@ def compare(
         return None
     code, why, seg = _classify(previous, current, pr, cr, offset)
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
-    lost = tokens_lost(pr.text[:expected_end], cr.text, tokenizer or _default_tokenizer, block_size)
+    lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
     scope = "conversation" if same_conversation else "request family"
     needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
     message = f"{why}; the {scope}'s shared prefix breaks here ({lost} tokens lost)"

@@ -2,9 +2,9 @@
 
 Each body is rendered (:mod:`linter.render`), tokenized and replayed in corpus
 order through :class:`~linter.replay.PrefixCacheReplay`. A rule's fix is applied
-to every body (fixes return the body itself when they do not apply, so unchanged
-bodies reuse their block hashes); "all fixes" applies every given fix in code
-order. Rates are cached prompt tokens over prompt tokens.
+to its target bodies (fixes return the body itself when they do not apply, so
+unchanged bodies reuse their block hashes); "all fixes" applies every given fix
+in code order. Rates are cached prompt tokens over prompt tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from linter.render import render
+from engine import ROOT_BLOCK_HASH, hash_block_chain
+from linter.divergence import common_prefix_len
+from linter.render import Rendered, render
 from linter.replay import DEFAULT_BLOCK_SIZE, PrefixCacheReplay
 from linter.rule import Body, Fix
 from linter.tokenizer import ApproxTokenizer, Tokenizer
@@ -43,18 +45,54 @@ class Estimate:
 Prompt = tuple[int, list[bytes]]
 
 
-class _Prompts:
+class Prompts:
+    """Turns bodies into (token count, block hashes).
+
+    Hashing is the costly step, and most prompts repeat an earlier prompt's head
+    (the family's instructions, the conversation so far). The latest prompt of
+    each family and conversation is remembered (bounded); a new prompt reuses
+    the hashes of the full blocks whose tokens it provably shares with one of
+    them (compared token by token) and hashes only the rest, continuing the
+    chain from the last shared block, so the hashes are exactly those of
+    ``hash_block_chain(all tokens)``.
+    """
+
+    _MEMO_LIMIT = 20_000
+
     def __init__(self, tokenizer: Tokenizer, block_size: int) -> None:
         self.tokenizer = tokenizer
-        self.hasher = PrefixCacheReplay(block_size)
+        self.block_size = block_size
+        self._memo: dict[tuple[str, ...], tuple[list[int], list[bytes]]] = {}
+
+    def _hashes(self, rendered: Rendered, ids: list[int]) -> list[bytes]:
+        keys = (rendered.parts[: rendered.anchor_parts], rendered.parts[: rendered.static_parts])
+        shared_blocks, parent = 0, ROOT_BLOCK_HASH
+        reuse: list[bytes] = []
+        for key in keys:
+            earlier = self._memo.get(key)
+            if earlier is None:
+                continue
+            blocks = min(common_prefix_len(ids, earlier[0]) // self.block_size, len(earlier[1]))
+            if blocks > shared_blocks:
+                shared_blocks, reuse = blocks, earlier[1]
+        if shared_blocks:
+            parent = reuse[shared_blocks - 1]
+        hashes = reuse[:shared_blocks] + hash_block_chain(ids, self.block_size, parent=parent, start_block=shared_blocks)
+        if len(self._memo) >= self._MEMO_LIMIT:
+            self._memo.clear()
+        for key in keys:
+            self._memo[key] = (ids, hashes)
+        return hashes
 
     def of(self, body: Body) -> Prompt:
-        rendered = render(body)
+        return self.of_rendered(render(body))
+
+    def of_rendered(self, rendered: Rendered) -> Prompt:
         if isinstance(self.tokenizer, ApproxTokenizer):
             ids = self.tokenizer.encode_parts(rendered.parts)
         else:
             ids = self.tokenizer.encode(rendered.text)
-        return len(ids), self.hasher.hashes(ids)
+        return len(ids), self._hashes(rendered, ids)
 
 
 def _replay(prompts: Sequence[Prompt], block_size: int, capacity: int | None) -> PrefixCacheReplay:
@@ -64,12 +102,15 @@ def _replay(prompts: Sequence[Prompt], block_size: int, capacity: int | None) ->
     return replay
 
 
-def _fixed(bodies: Sequence[Body], base: Sequence[Prompt], fixes: Sequence[Fix], make: _Prompts) -> list[Prompt]:
+def _fixed(
+    bodies: Sequence[Body], base: Sequence[Prompt], fixes: Sequence[tuple[Fix, set[int] | None]], make: Prompts
+) -> list[Prompt]:
     out: list[Prompt] = []
-    for body, prompt in zip(bodies, base, strict=True):
+    for i, (body, prompt) in enumerate(zip(bodies, base, strict=True)):
         fixed = body
-        for fix in fixes:
-            fixed = fix(fixed)
+        for fix, where in fixes:
+            if where is None or i in where:
+                fixed = fix(fixed)
         out.append(prompt if fixed is body else make.of(fixed))
     return out
 
@@ -81,17 +122,26 @@ def estimate(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     capacity_blocks: int | None = None,
+    base: Sequence[Prompt] | None = None,
+    targets: Mapping[str, set[int] | None] | None = None,
 ) -> Estimate:
-    """Replay ``bodies`` now, with each fix alone, and with all fixes (see the module docstring)."""
-    make = _Prompts(tokenizer, block_size)
-    base = [make.of(body) for body in bodies]
+    """Replay ``bodies`` now, with each fix alone, and with all fixes (see the module docstring).
+
+    ``base`` holds the bodies' prompts when the caller already computed them;
+    ``targets[code]`` limits a fix to those body indices (None or absent: all).
+    """
+    make = Prompts(tokenizer, block_size)
+    if base is None:
+        base = [make.of(body) for body in bodies]
+    where = dict(targets or {})
     now = _replay(base, block_size, capacity_blocks)
     gains: list[RuleGain] = []
     for code in sorted(fixes):
-        after = _replay(_fixed(bodies, base, [fixes[code]], make), block_size, capacity_blocks)
+        after = _replay(_fixed(bodies, base, [(fixes[code], where.get(code))], make), block_size, capacity_blocks)
         gains.append(RuleGain(code, after.hit_rate, after.hit_tokens, after.hit_tokens - now.hit_tokens))
     if fixes:
-        total = _replay(_fixed(bodies, base, [fixes[c] for c in sorted(fixes)], make), block_size, capacity_blocks)
+        every = [(fixes[c], where.get(c)) for c in sorted(fixes)]
+        total = _replay(_fixed(bodies, base, every, make), block_size, capacity_blocks)
     else:
         total = now
     return Estimate(

@@ -19,6 +19,7 @@ the conversation should repeat).
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,16 +46,27 @@ class Segment:
 class Rendered:
     text: str
     parts: tuple[str, ...]  # the segments' texts, in order ("".join(parts) == text)
-    segments: tuple[Segment, ...]
+    ends: tuple[int, ...]  # each segment's end offset
+    locations: tuple[str, ...]
+    kinds: tuple[str, ...]
     static_end: int
     history_end: int
+    anchor_parts: int  # parts up to the end of the first non-static message (identifies a conversation)
+    static_parts: int  # parts up to static_end
+
+    def segment(self, index: int) -> Segment:
+        start = self.ends[index - 1] if index else 0
+        return Segment(start, self.ends[index], self.locations[index], self.kinds[index])
 
     def segment_at(self, offset: int) -> Segment | None:
         """The segment holding character ``offset`` (None past the end)."""
-        for segment in self.segments:
-            if segment.start <= offset < segment.end:
-                return segment
-        return None
+        index = bisect.bisect_right(self.ends, offset)
+        return self.segment(index) if index < len(self.ends) else None
+
+    def parts_before(self, offset: int) -> int | None:
+        """How many whole parts make up ``text[:offset]``, or None when ``offset`` is inside one."""
+        count = bisect.bisect_right(self.ends, offset)
+        return count if count == 0 or self.ends[count - 1] == offset else None
 
 
 def dumps(value: Any) -> str:
@@ -68,15 +80,19 @@ def dumps(value: Any) -> str:
 class _Writer:
     def __init__(self) -> None:
         self.parts: list[str] = []
-        self.segments: list[Segment] = []
+        self.ends: list[int] = []
+        self.locations: list[str] = []
+        self.kinds: list[str] = []
         self.pos = 0
 
     def add(self, text: str, location: str, kind: str) -> None:
         if not text:
             return
-        self.parts.append(text)
-        self.segments.append(Segment(self.pos, self.pos + len(text), location, kind))
         self.pos += len(text)
+        self.parts.append(text)
+        self.ends.append(self.pos)
+        self.locations.append(location)
+        self.kinds.append(kind)
 
 
 def _render_content(writer: _Writer, message: Mapping[str, Any], prefix: str) -> None:
@@ -85,7 +101,7 @@ def _render_content(writer: _Writer, message: Mapping[str, Any], prefix: str) ->
         writer.add(content, f"{prefix}.content", "message")
     elif isinstance(content, list):
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping):
+            if not isinstance(part, (dict, Mapping)):
                 continue
             if j:
                 writer.add("\n", f"{prefix}.content[{j}]", "markup")
@@ -98,7 +114,7 @@ def _render_content(writer: _Writer, message: Mapping[str, Any], prefix: str) ->
 def _render_tool_calls(writer: _Writer, message: Mapping[str, Any], prefix: str) -> None:
     for j, call in enumerate(chat_request.tool_calls(message)):
         function = call.get("function")
-        if not isinstance(function, Mapping):
+        if not isinstance(function, (dict, Mapping)):
             continue
         arguments = function.get("arguments")
         name = dumps(function.get("name"))
@@ -119,10 +135,12 @@ def render(body: Mapping[str, Any]) -> Rendered:
         if body.get(key) is not None:
             w.add(f"{START}{key}\n{dumps(body[key])}{END}", key, key)
     static_end = w.pos
+    static_parts = len(w.parts)
+    anchor_parts: int | None = None
     leading = True
     raw = body.get("messages")
     for i, message in enumerate(raw if isinstance(raw, list) else []):
-        if not isinstance(message, Mapping):
+        if not isinstance(message, (dict, Mapping)):
             continue
         prefix = f"messages[{i}]"
         role = chat_request.role(message)
@@ -133,6 +151,13 @@ def render(body: Mapping[str, Any]) -> Rendered:
         leading = leading and role in chat_request.STATIC_ROLES
         if leading:
             static_end = w.pos
+            static_parts = len(w.parts)
+        elif anchor_parts is None:
+            anchor_parts = len(w.parts)
     history_end = w.pos
     w.add(f"{START}assistant\n", "generation prompt", "markup")
-    return Rendered("".join(w.parts), tuple(w.parts), tuple(w.segments), static_end, history_end)
+    parts = tuple(w.parts)
+    anchor = len(parts) if anchor_parts is None else anchor_parts
+    return Rendered(
+        "".join(parts), parts, tuple(w.ends), tuple(w.locations), tuple(w.kinds), static_end, history_end, anchor, static_parts
+    )

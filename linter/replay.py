@@ -31,6 +31,7 @@ class PrefixCacheReplay:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self._unbounded: set[bytes] = set()  # used instead of the LRU when there is no capacity
         self.requests = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -44,19 +45,26 @@ class PrefixCacheReplay:
 
     def add_hashes(self, num_tokens: int, hashes: Sequence[bytes]) -> int:
         """Replay a prompt given its token count and full-block hashes."""
-        cache = self._cache
         max_blocks = max(0, (num_tokens - 1) // self.block_size)
         hit_blocks = 0
-        for h in hashes[:max_blocks]:
-            if h not in cache:
-                break
-            hit_blocks += 1
-        for h in reversed(hashes):
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-        if self.capacity_blocks is not None:
+        if self.capacity_blocks is None:
+            seen = self._unbounded
+            for h in hashes[:max_blocks]:
+                if h not in seen:
+                    break
+                hit_blocks += 1
+            seen.update(hashes)
+        else:
+            cache = self._cache
+            for h in hashes[:max_blocks]:
+                if h not in cache:
+                    break
+                hit_blocks += 1
+            for h in reversed(hashes):
+                if h in cache:
+                    cache.move_to_end(h)
+                else:
+                    cache[h] = None
             while len(cache) > self.capacity_blocks:
                 cache.popitem(last=False)
         hit = hit_blocks * self.block_size

@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from linter import chat_request
-from linter.canonical_json import canonical_text
 from linter.divergence import DEFAULT_BLOCK_SIZE, Divergence, compare, first_turn
 from linter.render import Rendered, render
 from linter.tokenizer import Tokenizer
-from linter.volatile import mask_volatile
+from linter.volatile import mask_volatile_cached
 
 
 def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashable:
@@ -35,21 +36,21 @@ def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashab
     for _, message in chat_request.messages(body):
         if chat_request.role(message) not in chat_request.STATIC_ROLES:
             break
-        instructions.append(mask_volatile(chat_request.content_text(message), allowlist))
+        instructions.append(mask_volatile_cached(chat_request.content_text(message), tuple(allowlist)))
     return (str(body.get("model")), tuple(instructions))
 
 
 def conversation_key(body: Mapping[str, Any], family: Hashable) -> Hashable | None:
     metadata = body.get("metadata")
-    conversation_id = metadata.get("conversation_id") if isinstance(metadata, Mapping) else None
+    conversation_id = metadata.get("conversation_id") if isinstance(metadata, (dict, Mapping)) else None
     if isinstance(conversation_id, str) and conversation_id:
         return (family, "id", conversation_id)
     turn = first_turn(body)
     if turn is None:
         return None
     try:
-        turn_text = canonical_text(turn)
-    except (TypeError, ValueError):
+        turn_text = orjson.dumps(turn, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
         return None
     return (family, "turn", turn_text, str(body.get("user")))
 
@@ -64,11 +65,12 @@ class RequestFamilies:
         self._first: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
         self._last: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
 
-    def add(self, body: Mapping[str, Any]) -> Divergence | None:
+    def add(self, body: Mapping[str, Any], rendered: Rendered | None = None) -> Divergence | None:
         """The divergence of ``body`` from its predecessor, or None (also for the first of a group)."""
         family = family_key(body, self._allowlist)
         conversation = conversation_key(body, family)
-        rendered = render(body)
+        if rendered is None:
+            rendered = render(body)
         previous = self._last.get(conversation) if conversation is not None else None
         if previous is None:
             previous = self._first.get(family)

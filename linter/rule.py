@@ -67,6 +67,7 @@ class Rule:
     check_request: RequestCheck | None = field(default=None, compare=False)
     check_source: SourceCheck | None = field(default=None, compare=False)
     fix: Fix | None = field(default=None, compare=False)
+    fix_everywhere: bool = False  # apply the fix to every request, not only where findings are
 
     def __post_init__(self) -> None:
         assert self.scope in ("request", "corpus", "source"), self.scope

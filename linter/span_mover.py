@@ -9,7 +9,6 @@ callers can tell cheaply that a fix does not apply.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,7 +35,7 @@ def _transform(value: Any, finder: SpanFinder, moved: list[str]) -> Any:
     if isinstance(value, str):
         spans = finder(value)
         return _cut(value, spans, moved) if spans else value
-    if isinstance(value, Mapping):
+    if isinstance(value, (dict, Mapping)):
         return {k: _transform(v, finder, moved) for k, v in value.items()}
     if isinstance(value, list):
         return [_transform(v, finder, moved) for v in value]
@@ -53,13 +52,13 @@ def move_spans_to_end(body: Body, finder: SpanFinder) -> Body:
     if isinstance(raw_messages, list):
         new_messages: list[Any] = []
         for message in raw_messages:
-            if isinstance(message, Mapping) and chat_request.role(message) in chat_request.STATIC_ROLES:
+            if isinstance(message, (dict, Mapping)) and chat_request.role(message) in chat_request.STATIC_ROLES:
                 message = {**message, "content": _transform(message.get("content"), finder, moved)}
             new_messages.append(message)
         fixed["messages"] = new_messages
     for key in ("tools", "response_format"):
         if key in body:
-            fixed[key] = _transform(copy.deepcopy(body[key]), finder, moved)
+            fixed[key] = _transform(body[key], finder, moved)  # builds new containers
     if moved:
         fixed.setdefault("messages", [])
         fixed["messages"] = [*fixed["messages"], {"role": "user", "content": "Context: " + " | ".join(moved)}]

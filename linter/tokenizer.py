@@ -58,16 +58,18 @@ class ApproxTokenizer:
         return out
 
     def encode(self, text: str) -> list[int]:
+        pieces: list[str] = _PIECE.findall(text)
         ids = self._ids
+        known = list(map(ids.get, pieces))
+        if None not in known:
+            return known  # type: ignore[return-value]
         out: list[int] = []
-        append = out.append
-        for piece in _PIECE.findall(text):
-            token = ids.get(piece)
+        for piece, token in zip(pieces, known, strict=True):
             if token is None:
                 token = zlib.crc32(piece.encode("utf-8"))
                 if len(ids) < 1_000_000:
                     ids[piece] = token
-            append(token)
+            out.append(token)
         return out
 
 

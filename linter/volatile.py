@@ -130,6 +130,16 @@ def _scan(text: str, allowlist: tuple[str, ...]) -> tuple[VolatileSpan, ...]:
     return tuple(spans)
 
 
+@lru_cache(maxsize=8192)
+def _mask(text: str, allowlist: tuple[str, ...]) -> str:
+    return mask_volatile(text, allowlist)
+
+
+def mask_volatile_cached(text: str, allowlist: tuple[str, ...] = ()) -> str:
+    """:func:`mask_volatile`, memoized (instructions repeat across a log)."""
+    return _mask(text, allowlist)
+
+
 def mask_volatile(text: str, allowlist: Sequence[str] = ()) -> str:
     """``text`` with every volatile span replaced by ``<kind>`` (for grouping requests)."""
     spans = find_volatile(text, allowlist)

@@ -21,7 +21,6 @@ from linter.runner import LintReport
 
 SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
 _LEVELS = {"error": "error", "warning": "warning", "info": "note"}
-INFORMATION_URI = "https://github.com/prefixgate/prefixgate/blob/main/docs/linter.md"
 
 
 def _uri(path: str) -> str:
@@ -71,7 +70,6 @@ def render(report: LintReport, statistics_table: bool = False, color: bool = Fal
             "shortDescription": {"text": r.summary},
             "fullDescription": {"text": r.doc.strip().splitlines()[0]},
             "help": {"text": r.doc.strip(), "markdown": "```\n" + r.doc.strip() + "\n```"},
-            "helpUri": f"{INFORMATION_URI}#{r.code.lower()}",
             "defaultConfiguration": {"level": _LEVELS[r.severity]},
             "properties": {"tags": ["prefix-caching", r.scope]},
         }
@@ -85,7 +83,6 @@ def render(report: LintReport, statistics_table: bool = False, color: bool = Fal
                 "tool": {
                     "driver": {
                         "name": "prefixgate-lint",
-                        "informationUri": INFORMATION_URI,
                         "semanticVersion": "0.1.0",
                         "rules": driver_rules,
                     }

@@ -25,23 +25,44 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from functools import lru_cache
 from typing import Any
 
 from linter import chat_request
 from linter.rule import Body, Hit, Options, Rule
 from linter.span_mover import move_spans_to_end
 
-_USER_DATA = re.compile(
-    r"(?P<email>\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b)"
-    r"|(?P<phone>(?<![\w+])\+?\d{1,3}[ .-]?\(?\d{2,4}\)?(?:[ .-]?\d{2,4}){2,3}\b)"
-    r"|(?P<field>(?i:\b(?:the\s+)?(?:user|customer|client|account|member|patient)(?:'s)?[ _-]?"
-    r"(?:name|id|email|number|phone|address)\b\s*(?:is\s+|:\s*|=\s*))[^\s,;.]+(?:\s+[A-Z][\w'-]+)?)"
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+\b")
+# International (+CC ...) or North American (555-123-4567, (555) 123-4567) numbers;
+# dates and lists of numbers do not match.
+_PHONE = re.compile(
+    r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,4}\d\b"
+    r"|(?<![\w-])(?:\(\d{3}\)\s?|\d{3}[.-])\d{3}[.-]\d{4}\b"
 )
-_KINDS = {"email": "email address", "phone": "phone number", "field": "user field"}
+_FIELD = re.compile(
+    r"(?i:\b(?:the\s+)?(?:user|customer|client|account|member|patient)(?:'s)?[ _-]?"
+    r"(?:name|id|email|number|phone|address)\b\s*(?:is\s+|:\s*|=\s*))[^\s,;.]+(?:\s+[A-Z][\w'-]+)?"
+)
+_FIELD_WORDS = ("user", "customer", "client", "account", "member", "patient")
+_HAS_DIGIT = re.compile(r"\d")
+
+
+@lru_cache(maxsize=4096)
+def _pattern_spans(text: str) -> tuple[tuple[int, int, str], ...]:
+    """Email, phone and labelled-field spans (cheap substring checks gate each regex)."""
+    spans: list[tuple[int, int, str]] = []
+    if "@" in text:
+        spans += [(m.start(), m.end(), "email address") for m in _EMAIL.finditer(text)]
+    if _HAS_DIGIT.search(text):
+        spans += [(m.start(), m.end(), "phone number") for m in _PHONE.finditer(text)]
+    lower = text.lower()
+    if any(word in lower for word in _FIELD_WORDS):
+        spans += [(m.start(), m.end(), "user field") for m in _FIELD.finditer(text)]
+    return tuple(spans)
 
 
 def _spans(text: str, user: str | None) -> list[tuple[int, int, str]]:
-    spans = [(m.start(), m.end(), _KINDS[m.lastgroup or "field"]) for m in _USER_DATA.finditer(text)]
+    spans = list(_pattern_spans(text))
     if user and len(user) >= 3:
         start = text.find(user)
         while start >= 0:

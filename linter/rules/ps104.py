@@ -30,6 +30,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import orjson
+
 from linter import chat_request
 from linter.canonical_json import canonicalize_body, parse_json
 from linter.rule import Body, Hit, Options, Rule
@@ -37,7 +39,7 @@ from linter.rule import Body, Hit, Options, Rule
 
 def first_unsorted(value: Any, path: str) -> str | None:
     """JSON path of the first object whose keys are not sorted, or None."""
-    if isinstance(value, Mapping):
+    if isinstance(value, (dict, Mapping)):
         keys = [str(k) for k in value]
         if keys != sorted(keys):
             return path
@@ -61,13 +63,35 @@ def _standard_spellings(value: Any) -> set[str]:
     }
 
 
-def check(body: Body, options: Options) -> Iterator[Hit]:
+def _tool_hits(body: Body) -> Iterator[Hit]:
     for i, tool in chat_request.tools(body):
         function = tool.get("function")
-        if isinstance(function, Mapping) and "parameters" in function:
+        if isinstance(function, (dict, Mapping)) and "parameters" in function:
             path = first_unsorted(function["parameters"], f"tools[{i}].function.parameters")
             if path is not None:
                 yield Hit(f"keys of {path} are not sorted", path, needle=chat_request.tool_name(tool) or None)
+
+
+_TOOL_HITS: dict[bytes, tuple[Hit, ...]] = {}
+
+
+def _memo_tool_hits(body: Body) -> tuple[Hit, ...]:
+    """Tool hits, memoized by the tools' serialization (a tool list repeats in every request)."""
+    try:
+        key = orjson.dumps(body.get("tools"))
+    except (TypeError, orjson.JSONEncodeError):
+        return tuple(_tool_hits(body))
+    hits = _TOOL_HITS.get(key)
+    if hits is None:
+        hits = tuple(_tool_hits(body))
+        if len(_TOOL_HITS) >= 2_000:
+            _TOOL_HITS.clear()
+        _TOOL_HITS[key] = hits
+    return hits
+
+
+def check(body: Body, options: Options) -> Iterator[Hit]:
+    yield from _memo_tool_hits(body)
     if "response_format" in body:
         path = first_unsorted(body["response_format"], "response_format")
         if path is not None:
@@ -75,7 +99,7 @@ def check(body: Body, options: Options) -> Iterator[Hit]:
     for i, message in chat_request.messages(body):
         for j, call in enumerate(chat_request.tool_calls(message)):
             function = call.get("function")
-            args = function.get("arguments") if isinstance(function, Mapping) else None
+            args = function.get("arguments") if isinstance(function, (dict, Mapping)) else None
             if not isinstance(args, str):
                 continue
             ok, value = parse_json(args)

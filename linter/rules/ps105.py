@@ -30,9 +30,9 @@ def _groups(raw: list[Any]) -> Iterator[tuple[int, list[str], int, int]]:
     i = 0
     while i < len(raw):
         message = raw[i]
-        ids = [c.get("id") for c in chat_request.tool_calls(message)] if isinstance(message, Mapping) else []
+        ids = [c.get("id") for c in chat_request.tool_calls(message)] if isinstance(message, (dict, Mapping)) else []
         j = i + 1
-        while j < len(raw) and isinstance(raw[j], Mapping) and raw[j].get("role") == "tool":
+        while j < len(raw) and isinstance(raw[j], (dict, Mapping)) and raw[j].get("role") == "tool":
             j += 1
         if len(ids) > 1 and all(isinstance(x, str) for x in ids):
             yield i, [str(x) for x in ids], i + 1, j

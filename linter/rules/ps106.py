@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from functools import lru_cache
 from typing import Any
 
 from linter import chat_request
@@ -31,6 +32,7 @@ from linter.rule import Body, Hit, Options, Rule
 _TRAILING = re.compile(r"[ \t]+(?=\n)")
 
 
+@lru_cache(maxsize=4096)
 def _problem(text: str) -> tuple[int, str] | None:
     """(offset, description) of the first whitespace problem in ``text``."""
     found: list[tuple[int, str]] = []
@@ -57,7 +59,7 @@ def _texts(body: Body) -> Iterator[tuple[str, str]]:
             yield from chat_request.content_texts(message, f"messages[{i}]")
     for i, tool in chat_request.tools(body):
         function = tool.get("function")
-        if isinstance(function, Mapping) and isinstance(function.get("description"), str):
+        if isinstance(function, (dict, Mapping)) and isinstance(function.get("description"), str):
             yield f"tools[{i}].function.description", function["description"]
 
 
@@ -73,7 +75,7 @@ def _normalize_content(content: Any) -> Any:
     if isinstance(content, str):
         return normalize(content)
     if isinstance(content, list):
-        return [{**p, "text": normalize(p["text"])} if isinstance(p, Mapping) and isinstance(p.get("text"), str) else p for p in content]
+        return [{**p, "text": normalize(p["text"])} if isinstance(p, (dict, Mapping)) and isinstance(p.get("text"), str) else p for p in content]
     return content
 
 
@@ -83,7 +85,7 @@ def fix(body: Body) -> Body:
     fixed: dict[str, Any] = dict(body)
     fixed["messages"] = [
         {**m, "content": _normalize_content(m.get("content"))}
-        if isinstance(m, Mapping) and chat_request.role(m) in chat_request.STATIC_ROLES
+        if isinstance(m, (dict, Mapping)) and chat_request.role(m) in chat_request.STATIC_ROLES
         else m
         for m in body.get("messages") or []
     ]
@@ -94,8 +96,8 @@ def fix(body: Body) -> Body:
 
 
 def _fix_tool(tool: Any) -> Any:
-    function = tool.get("function") if isinstance(tool, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("description"), str):
+    function = tool.get("function") if isinstance(tool, (dict, Mapping)) else None
+    if not isinstance(function, (dict, Mapping)) or not isinstance(function.get("description"), str):
         return tool
     return {**tool, "function": {**function, "description": normalize(function["description"])}}
 

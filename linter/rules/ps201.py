@@ -23,13 +23,8 @@ Fix used by the estimate: volatile values moved after the stable prefix (as PS10
 
 from __future__ import annotations
 
-from linter.rule import Body, Rule
-from linter.rules.ps101 import fix as move_volatile_values
-
-
-def fix(body: Body) -> Body:
-    return move_volatile_values(body)
-
+from linter.rule import Rule
+from linter.rules.ps101 import fix
 
 RULE = Rule(
     code="PS201",

@@ -31,7 +31,7 @@ def fix(body: Body) -> Body:
     if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
         return body
     ordered = sorted(tools, key=chat_request.tool_name)
-    if ordered == tools:
+    if all(a is b for a, b in zip(ordered, tools, strict=True)):
         return body
     fixed: dict[str, Any] = dict(body)
     fixed["tools"] = ordered
@@ -46,4 +46,5 @@ RULE = Rule(
     summary="Tool order, tool set or a tool definition changed between related requests",
     doc=__doc__ or "",
     fix=fix,
+    fix_everywhere=True,
 )

@@ -37,4 +37,5 @@ RULE = Rule(
     summary="Equal JSON (tools, response_format, arguments) re-serialized differently",
     doc=__doc__ or "",
     fix=fix,
+    fix_everywhere=True,
 )

@@ -91,7 +91,7 @@ def test_dtype_resolution(monkeypatch):
 def test_model_paths_are_local_only(tmp_path):
     with pytest.raises(ValueError, match="local checkpoint"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         resolve_model_path(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(str(tmp_path)) == (tmp_path, tmp_path.name)

@@ -66,8 +66,11 @@ def test_reuse_gives_the_same_tokens_and_logits_as_no_caching(make_tiny_engine):
         )
     prefix = prompt_of(230, offset=11)
     run(cached_engine, [*prefix, 1, 2, 3])
-    for suffix in ([5], [9, 8, 7, 6], list(range(300, 320))):
+    reuses = cached_engine.runner.num_spare_reuses
+    for suffix, from_blocks in itertools.product(([5], [9, 8, 7, 6], list(range(300, 320))), (False, True)):
         prompt = prefix + suffix
+        if from_blocks:  # drop the last request's working cache: gather from the blocks
+            run(cached_engine, prompt_of(40, offset=77), max_tokens=1)
         cached = run(cached_engine, prompt, max_tokens=12, rid="same")
         fresh = run(plain_engine, prompt, max_tokens=12, rid="same")
         assert cached[-1].num_cached_tokens == 224
@@ -75,6 +78,7 @@ def test_reuse_gives_the_same_tokens_and_logits_as_no_caching(make_tiny_engine):
         assert tokens_of(cached) == tokens_of(fresh)
         diff = torch.max(torch.abs(logits[("cached", "same")] - logits[("plain", "same")]))
         assert diff.item() <= 1e-5
+    assert cached_engine.runner.num_spare_reuses == reuses + 3
 
 
 def test_generated_tokens_become_reusable_blocks(tiny_engine):

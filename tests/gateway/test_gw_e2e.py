@@ -3,12 +3,16 @@ real engine child process, real HTTP on loopback). One server for the module."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,7 +24,8 @@ from gateway.database import default_db_url
 
 pytestmark = pytest.mark.real_model
 
-KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789", "raw": "raw-key-0123456789"}
+KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789", "raw": "raw-key-0123456789",
+        "readme": "readme-key-0123456789"}
 ADMIN = "admin-key-0123456789"
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -180,3 +185,18 @@ def test_cache_stats_endpoint(server):
     alpha = stats.json()["tenants"]["alpha"]
     assert alpha["cached_tokens"] > 0 and 0 < alpha["hit_rate"] < 1
     assert rows(default_db_url(server[1]))  # rows reach the SQLite file while serving
+
+
+def test_readme_snippet_shows_cached_tokens_on_the_second_call(server):
+    """Runs the README's SDK example as written (only the URL and key swapped)."""
+    snippet = (Path(__file__).resolve().parents[2] / "docs" / "readme-snippet.md").read_text()
+    code = re.search(r"```python\n(.*?)```", snippet, re.S).group(1)
+    code = code.replace("http://127.0.0.1:8000/v1", server[0] + "/v1").replace("my-local-key", KEYS["readme"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "readme-snippet", "exec"), {})
+    counts = [tuple(map(int, m)) for m in re.findall(r"prompt_tokens=(\d+) cached_tokens=(\d+)", out.getvalue())]
+    assert len(counts) == 2
+    (_, first_cached), (second_prompt, second_cached) = counts
+    assert first_cached == 0
+    assert second_cached >= 96 and second_cached < second_prompt

@@ -64,6 +64,7 @@ def test_upstream_invalid_json_becomes_502(tmp_path, fake_upstream):
     fake_upstream.mode = "invalid_json"
     settings, response = call(tmp_path, httpx.ASGITransport(fake_upstream.app))
     assert response.status_code == 502
+    assert rows(settings.db_url)[0].error_code == "upstream_error"
     assert "invalid JSON" in response.json()["error"]["message"]
 
 

@@ -94,3 +94,16 @@ def test_clean_corpus_has_zero_findings():
     assert report.files == 2
     assert report.estimate.requests == 7
     assert report.estimate.hit_rate_after_fixes == report.estimate.hit_rate
+
+
+def test_per_request_findings_cost_the_static_tokens_after_them():
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(), CharTokenizer(), with_estimate=False)
+    (first,) = [f for f in report.findings if f.code == "PS101" and f.line == 3]
+    body = load_file(EXAMPLES / "requests.jsonl", [])[2].body
+    rendered = render(body)
+    system = body["messages"][0]["content"]
+    value_at = rendered.text.index(system) + system.index("2026-11-21T09:00:00Z")
+    static_end = rendered.text.index("<|im_end|>") + len("<|im_end|>\n")
+    assert first.tokens_lost == (static_end // BLOCK - value_at // BLOCK) * BLOCK > 0
+    (reordered,) = [f for f in report.findings if f.code == "PS104" and f.line == 6]
+    assert reordered.tokens_lost is None  # in the tools' JSON: measured by PS203 and the table

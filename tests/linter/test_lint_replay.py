@@ -55,3 +55,22 @@ def test_lru_capacity_touching_keeps_hot_prefix():
 def test_rejects_bad_sizes(kwargs):
     with pytest.raises(ValueError):
         PrefixCacheReplay(**kwargs)
+
+
+def test_prompt_hash_reuse_equals_the_full_chain():
+    from pathlib import Path
+
+    from linter.corpus import load_file
+    from linter.estimate import Prompts
+    from linter.render import render
+    from linter.tokenizer import ApproxTokenizer
+
+    records = load_file(Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl", [])
+    tokenizer = ApproxTokenizer()
+    prompts = Prompts(tokenizer, 16)
+    for record in records * 2:
+        rendered = render(record.body)
+        count, hashes = prompts.of_rendered(rendered)
+        ids = tokenizer.encode(rendered.text)
+        assert count == len(ids)
+        assert hashes == hash_block_chain(ids, 16)

@@ -3,11 +3,14 @@
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from linter.config import LintConfig
+from linter.divergence import common_prefix_len
 from linter.render import render
 from linter.runner import lint_paths
 from linter.tokenizer import ApproxTokenizer, load_tokenizer
@@ -19,11 +22,33 @@ def crc(piece):
 
 def test_approximation_is_deterministic_word_pieces():
     assert ApproxTokenizer().encode("Hello world, 12345!") == [
-        crc("Hell"), crc("o"), crc(" worl"), crc("d"), crc(","), crc(" "), crc("123"), crc("45"), crc("!"),
+        crc("Hell"), crc("o"), crc(" "), crc("worl"), crc("d"), crc(","), crc(" "), crc("123"), crc("45"), crc("!"),
     ]
     text = "You are a helpful assistant.\n" * 10
     assert ApproxTokenizer().encode(text) == ApproxTokenizer().encode(text)
     assert 0.15 < len(ApproxTokenizer().encode(text)) / len(text) < 0.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=12), max_size=6), st.lists(st.sampled_from(["system", "user", "assistant"]), max_size=6))
+def test_segment_memo_equals_whole_text_tokenization(contents, roles):
+    body = {"messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)]}
+    if contents:
+        body["messages"].append({"role": "user", "content": [{"type": "text", "text": contents[0]}, {"type": "text", "text": contents[-1]}]})
+    rendered = render(body)
+    tokenizer = ApproxTokenizer()
+    assert tokenizer.encode_parts(rendered.parts) == tokenizer.encode(rendered.text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=3000), st.integers(0, 3000), st.integers(0, 3))
+def test_common_prefix_len(a, cut, extra):
+    cut = min(cut, len(a))
+    b = [*a[:cut], 9, *a[cut:]]
+    assert common_prefix_len(a, b) == cut
+    assert common_prefix_len(a, [*a, extra]) == len(a)
+    text = "".join(map(str, a))
+    assert common_prefix_len(text, text[:cut] + "x") == cut
 
 
 def _write_word_level(path):
