@@ -152,13 +152,19 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> floa
     return elapsed * 1000.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), robust to scheduling noise."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def paired_latency(direct: str, gateway: str, n: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_keepalive_connections=4)
+    limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=4.0)
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
         for _ in range(50):  # warm-up: connections, caches, JIT-free but lazy imports
             await one(client, direct, BODY)
@@ -181,7 +187,8 @@ async def paired_latency(direct: str, gateway: str, n: int) -> dict[str, Any]:
 async def throughput(url: str, concurrency: int, total: int, stream: bool) -> tuple[float, list[str]]:
     """Successful requests per second, and the errors seen (reported, never hidden)."""
     body = {**BODY, "stream": stream}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # expire idle connections before uvicorn's 5 s keep-alive timeout closes them under us
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=4.0)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
         await asyncio.gather(*(one(client, url, body) for _ in range(concurrency)))  # open connections
         remaining = total
@@ -232,7 +239,12 @@ def main() -> int:
             ))
             wait_healthy(gateway_base, processes[1])
             direct, gateway = direct_base + "/v1/chat/completions", gateway_base + "/v1/chat/completions"
+            cpu_before = [cpu_seconds(p.pid) for p in processes]
             latency = asyncio.run(paired_latency(direct, gateway, n))
+            cpu_used = [cpu_seconds(p.pid) - before for p, before in zip(processes, cpu_before, strict=True)]
+            # the upstream served both the direct and the proxied requests (+ warm-up)
+            latency["upstream_cpu_ms_per_request"] = cpu_used[0] * 1000 / (2 * (n + 50))
+            latency["gateway_cpu_ms_per_request"] = cpu_used[1] * 1000 / (n + 50)
             rates = []
             for stream in (False, True):
                 for concurrency, total in per_level.items():
@@ -268,6 +280,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  {'added':10} {lat['added_p50_ms']:8.2f} {lat['added_p99_ms']:8.2f}   "
           f"(paired median {lat['paired_added_median_ms']:.2f} ms; target p50 <= 2 ms: "
           f"{'met' if report['meets_target'] else 'NOT met'})")
+    print(f"  CPU per request: gateway {lat['gateway_cpu_ms_per_request']:.2f} ms, "
+          f"fake upstream {lat['upstream_cpu_ms_per_request']:.2f} ms")
     print("\nThroughput (requests/s)")
     print(f"  {'mode':10} {'conc.':>5} {'direct':>9} {'gateway':>9} {'ratio':>6} {'errors d/g':>11}")
     for row in report["throughput"]:

@@ -71,7 +71,8 @@ def generate(n: int, seed: int = 7) -> list[dict[str, Any]]:
             tools = list(family["tools"])
             if family["shuffle"]:
                 rng.shuffle(tools)
-            kept = history[-6:] if conversation % 7 == 0 else history
+            # A planted sliding window (PS204) in every 7th conversation.
+            kept = history[-6:] if conversation % 7 == 0 else history  # prefixgate: noqa: PS305
             body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system}, *kept], "metadata": {"conversation_id": f"c{conversation}"}}
             if tools:
                 body["tools"] = tools

@@ -75,3 +75,15 @@ class Detokenizer:
                     held = k
                     break
         return held
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """EOS ids from the model's generation config and the tokenizer."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -9,8 +9,10 @@ Invariants:
 * ``kv.num_tokens == num_prompt_tokens + number of sampled tokens``;
 * the KV cache manager reserves slots only for tokens whose K/V the next forward
   computes, so ``num_slots == state.num_computed`` after every forward;
-* ``num_cached_tokens`` is the prefix-cache hit taken at prefill: whole blocks,
-  never the last prompt token.
+* ``num_cached_tokens`` is the prefix-cache hit taken at the first prefill: whole
+  blocks, never the last prompt token;
+* ``state is None`` exactly when the request holds no blocks (waiting, preempted
+  or finished).
 """
 
 from __future__ import annotations
@@ -54,18 +56,24 @@ class EngineRequest:
         self.stream: OutputStream | None = None
         self.state: SequenceState | None = None
         self.arrival_time = time.monotonic()
+        self.num_preemptions = 0
 
-    def prefill(self) -> torch.Tensor:
-        """Take the prefix-cache hit, allocate the prompt's blocks, run the uncached suffix."""
+    def prefill(self) -> torch.Tensor | None:
+        """Take the prefix-cache hit, allocate blocks, run every token not cached.
+
+        Runs the prompt on first admission, and prompt plus output so far after a
+        preemption. Returns None, changing nothing but the cache statistics, when the
+        blocks do not fit right now.
+        """
         kvm = self.engine.kv_cache_manager
         hit_blocks, num_cached = kvm.get_computed_blocks(self.kv)
-        new_blocks = kvm.allocate_slots(
-            self.kv, self.num_prompt_tokens - num_cached, num_cached, hit_blocks
-        )
-        assert new_blocks is not None, "the scheduler admitted a request whose blocks do not fit"
-        self.num_cached_tokens = num_cached
+        if kvm.allocate_slots(self.kv, self.kv.num_tokens - num_cached, num_cached, hit_blocks) is None:
+            return None
+        if not self.kv.output_token_ids:
+            self.num_cached_tokens = num_cached
         # The working cache grows by doubling, so a large max_tokens costs nothing up front.
-        expected = self.num_prompt_tokens + min(self.params.max_tokens, INITIAL_OUTPUT_CAPACITY)
+        remaining = self.params.max_tokens - len(self.kv.output_token_ids)
+        expected = self.kv.num_tokens + min(remaining, INITIAL_OUTPUT_CAPACITY)
         capacity = min(expected, self.engine.max_model_len)
         self.state, logits = self.engine.runner.prefill(
             self.kv.all_token_ids,
@@ -76,14 +84,22 @@ class EngineRequest:
         )
         return logits
 
-    def decode(self) -> torch.Tensor:
-        """Reserve a slot for the last sampled token and run it."""
+    def decode(self) -> torch.Tensor | None:
+        """Reserve a slot for the last sampled token and run it; None when no block is free."""
         assert self.state is not None
         kvm = self.engine.kv_cache_manager
-        assert kvm.allocate_slots(self.kv, 1) is not None, "decode blocks were reserved at admission"
+        if kvm.allocate_slots(self.kv, 1) is None:
+            return None
         return self.engine.runner.decode(
             self.state, self.kv.all_token_ids[-1], kvm.get_block_ids(self.request_id)
         )
+
+    def preempt(self) -> None:
+        """Give back the blocks and the working cache; a later prefill recomputes (mostly
+        from the prefix cache) everything up to the last sampled token."""
+        self.engine.kv_cache_manager.free(self.request_id)
+        self.state = None
+        self.num_preemptions += 1
 
     def append_token(self, token_id: int) -> str | None:
         """Record a sampled token; returns the finish reason when it ends the request."""

@@ -14,8 +14,9 @@ Invariants:
   manager; other threads talk to it through ``_inbox`` and ``_aborts`` under
   ``_cond``;
 * a request's blocks are freed exactly once, when it finishes for any reason
-  (stop, length, abort, error), before its finished output is put in its stream; blocks whose K/V a failed forward never wrote
-  lose their hash first, so no one can hit them.
+  (stop, length, abort, error), before its finished output is put in its
+  stream; blocks whose K/V a failed forward never wrote lose their hash first,
+  so no one can hit them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import torch
 
 from engine import attention
 from engine.config import EngineConfig
+from engine.detokenizer import eos_token_ids
 from engine.engine_request import EngineRequest
+from engine.engine_stats import EngineStats
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_storage import KVLayout, KVStorage
 from engine.model_runner import ModelRunner
@@ -51,26 +54,6 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's counters (tokens for queries and hits)."""
-
-    prefix_cache_requests: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    evictions: int
-    num_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-    num_finished: int
-    num_aborted: int
-    num_failed: int
-    ttft_count: int
-    ttft_sum_s: float
 
 
 class LLMEngine:
@@ -102,7 +85,7 @@ class LLMEngine:
         self.model_id = config.served_model_name or str(getattr(mc, "name_or_path", "") or "model")
         self.supports_images = False
         self.vocab_size = int(mc.vocab_size)
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.scheduler = Scheduler(self.storage.num_blocks, config.block_size, self.max_model_len)
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
@@ -115,6 +98,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._num_finished = 0
         self._finish_counts: dict[str, int] = {}
+        self._num_preemptions = 0
         self._ttft = (0, 0.0)
 
     @classmethod
@@ -184,6 +168,7 @@ class LLMEngine:
             num_finished=self._num_finished,
             num_aborted=self._finish_counts.get("abort", 0),
             num_failed=self._finish_counts.get("error", 0),
+            num_preemptions=self._num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
         )
@@ -237,14 +222,18 @@ class LLMEngine:
         """Run one scheduler step: decode every running request, then prefill new ones."""
         work = self.scheduler.schedule()
         for req in work.decodes:
-            self._run(req, prefill=False)
+            if req.request_id in self.scheduler.running:  # not preempted earlier in this step
+                self._run(req, prefill=req.state is None)
         for req in work.prefills:
             self._run(req, prefill=True)
 
     def _run(self, req: EngineRequest, prefill: bool) -> None:
+        first = prefill and not req.kv.output_token_ids
         try:
-            logits = req.prefill() if prefill else req.decode()
-            if prefill and self.first_logits_observer is not None:
+            logits = self._forward_with_room(req, prefill)
+            if logits is None:
+                return
+            if first and self.first_logits_observer is not None:
                 self.first_logits_observer(req.request_id, logits)
             token = sample(logits, req.params, req.generator)
             reason = req.append_token(token)
@@ -253,7 +242,7 @@ class LLMEngine:
             req.forget_unwritten_blocks()
             self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        if prefill:
+        if first:
             ttft = time.monotonic() - req.arrival_time
             self._ttft = (self._ttft[0] + 1, self._ttft[1] + ttft)
             for observer in self.ttft_observers:
@@ -262,6 +251,25 @@ class LLMEngine:
         if finished:
             self._release(req, keep_working_cache=True)
         self._emit(req, [token], req.detokenizer.take_new_text(finished), reason)
+
+    def _forward_with_room(self, req: EngineRequest, prefill: bool) -> torch.Tensor | None:
+        """Run the request's next forward, preempting newer requests while no block is
+        free. None when the request itself had to wait (un-admitted or preempted)."""
+        while True:
+            logits = req.prefill() if prefill else req.decode()
+            if logits is not None:
+                return logits
+            victim = self.scheduler.preempt_victim()
+            if prefill and (victim is None or victim is req):
+                self.scheduler.unadmit(req)
+                return None
+            assert victim is not None
+            logger.info("preempting %s: no free KV block", victim.request_id)
+            victim.preempt()
+            self._num_preemptions += 1
+            self.scheduler.unadmit(victim)
+            if victim is req:
+                return None
 
     def _abort_now(self, request_id: str) -> None:
         req = self.scheduler.remove(request_id)
@@ -302,14 +310,3 @@ class LLMEngine:
         with self._cond:
             self._active.discard(req.request_id)
             self._aborts.discard(req.request_id)
-
-
-def _eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids

@@ -134,6 +134,10 @@ class ModelRunner:
         """Keep ``state`` as the spare; ``block_hashes`` name its first full blocks."""
         self._spare = (list(block_hashes), state) if block_hashes else None
 
+    def drop_spare(self) -> None:
+        """Forget the spare working cache (the next hit gathers from the blocks)."""
+        self._spare = None
+
     def _take_spare(self, hit_hashes: Sequence[BlockHash]) -> SequenceState | None:
         spare, self._spare = self._spare, None
         if spare is None or not hit_hashes:

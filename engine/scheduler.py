@@ -7,10 +7,12 @@ a list so that a later issue can run it as one batch.
 
 Invariants:
 
-* every admitted request's worst case fits: the sum of the running requests'
-  reservations (``ceil(min(prompt + max_tokens, max_model_len) / block_size)``
-  blocks each) never exceeds the pool, so ``allocate_slots`` cannot fail for a
-  running request;
+* admission is by reservation: the running requests' reservations
+  (``ceil(min(prompt + max_tokens, prompt + RESERVE_HORIZON, max_model_len) /
+  block_size)`` blocks each) never exceed the pool. A request that generates past
+  its horizon may find no free block: the engine then preempts the most recently
+  admitted running request (:meth:`Scheduler.preempt`), which goes back to the
+  front of the queue and is recomputed later, mostly from the prefix cache;
 * a request is in exactly one of ``waiting`` and ``running`` until it finishes.
 """
 
@@ -21,7 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineRequest
+    from engine.engine_request import EngineRequest
+
+RESERVE_HORIZON = 1024
+"""Output tokens a request's admission reservation covers at most."""
 
 
 @dataclass
@@ -47,10 +52,12 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[str, EngineRequest] = {}
         self.reserved_blocks = 0
+        self.reserve_horizon = RESERVE_HORIZON
 
     def reservation(self, req: EngineRequest) -> int:
-        """Blocks a request may need at most."""
-        tokens = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len)
+        """Blocks set aside for a request at admission."""
+        prompt = req.num_prompt_tokens
+        tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
         return -(-tokens // self.block_size)
 
     def add(self, req: EngineRequest) -> None:
@@ -71,6 +78,16 @@ class Scheduler:
             self.reserved_blocks += need
             out.prefills.append(req)
         return out
+
+    def unadmit(self, req: EngineRequest) -> None:
+        """Put a request whose blocks did not fit back at the head of the queue."""
+        if self.running.pop(req.request_id, None) is not None:
+            self.reserved_blocks -= self.reservation(req)
+        self.waiting.appendleft(req)
+
+    def preempt_victim(self) -> EngineRequest | None:
+        """The most recently admitted running request (None when none runs)."""
+        return next(reversed(self.running.values()), None)
 
     def remove(self, request_id: str) -> EngineRequest | None:
         """Take a request out of the queues (finished or aborted); None if unknown."""

@@ -43,7 +43,10 @@ def _json(payload: Any, status: int = 200) -> Response:
 def default_client(settings: GatewaySettings) -> httpx.AsyncClient:
     config = settings.config
     timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+    # Expire idle connections before uvicorn-based engines do (their keep-alive timeout
+    # is 5 s, httpx's default expiry too): reusing a connection the server is closing
+    # would fail a request with a read error.
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=4.0)
     return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 

@@ -3,7 +3,8 @@
 Invariants: :meth:`EngineProcess.wait_healthy` returns only once ``GET /health``
 answered 200, and raises as soon as the child exits or the deadline passes
 (never waits forever); :meth:`stop` always leaves no child behind (SIGTERM, then
-SIGKILL after a grace period).
+SIGKILL after a grace period); :meth:`watch` reports a child that dies while the
+gateway runs, so ``serve`` does not keep answering 503s in front of nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import contextlib
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -28,6 +30,7 @@ class EngineProcess:
         self.port = port
         self.command = [sys.executable, "-m", "gateway.cli", "engine", "--host", host, "--port", str(port), *extra_args]
         self.process: subprocess.Popen[bytes] | None = None
+        self.stopping = False
 
     @property
     def url(self) -> str:
@@ -56,7 +59,20 @@ class EngineProcess:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(poll_s)
 
+    def watch(self, on_exit: Callable[[int], None]) -> None:
+        """Call ``on_exit(status)`` from a daemon thread if the child exits before :meth:`stop`."""
+        process = self.process
+        assert process is not None, "start() first"
+
+        def wait() -> None:
+            status = process.wait()
+            if not self.stopping:
+                on_exit(status)
+
+        threading.Thread(target=wait, name="prefixgate-engine-watch", daemon=True).start()
+
     def stop(self, grace_s: float = 30.0) -> int | None:
+        self.stopping = True
         process = self.process
         if process is None:
             return None

@@ -1,11 +1,13 @@
 """The proxy: one inference request from the client's bytes to the upstream and back.
 
 Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
-take the client's ``cache_salt`` out -> canonicalize (chat) -> prefix warnings
-(chat) -> ``reject_on`` -> derive the server-side salt -> forward (stream or not)
--> relay, adding warnings -> exactly one stats row, whatever happened. Every
-failure is a :class:`GatewayError` rendered at the end of ``handle``; unexpected
-exceptions become a 500 and are logged.
+take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
+server-side salt -> start the upstream call -> prefix warnings (chat; computed
+while the upstream works, or before anything is sent for ``reject_on`` tenants)
+-> await the upstream unless the client leaves -> relay, adding warnings ->
+exactly one stats row, whatever happened. Every failure is a
+:class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
+become a 500 and are logged.
 """
 
 from __future__ import annotations
@@ -107,14 +109,17 @@ class Proxy:
             self._enforce(tenant, record, warnings)
         stack = contextlib.AsyncExitStack()
         path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
+        sent = asyncio.Event()
         work = asyncio.ensure_future(
-            stack.enter_async_context(self.upstream.stream(path, content))
+            stack.enter_async_context(self.upstream.stream(path, content, sent.set))
             if record.stream
-            else self.upstream.post(path, content)
+            else self.upstream.post(path, content, sent.set)
         )
         try:
             if warnings is None:
-                # Advisory warnings are computed while the upstream already works on the request.
+                # Advisory warnings are computed while the upstream works on the request:
+                # wait until it is on the wire (or the call ended), then run the linter.
+                await _first_of(sent, work)
                 warnings = check()
             record.warning_codes = [warning.code for warning in warnings]
             result = await _unless_disconnected(request, work)
@@ -178,6 +183,17 @@ class Proxy:
         record.finish(200)
         self._record(record)
         return Response(content, status_code=200, media_type="application/json", headers=headers)
+
+
+async def _first_of(event: asyncio.Event, task: asyncio.Future[Any]) -> None:
+    """Return once ``event`` is set or ``task`` is done, whichever comes first."""
+    if event.is_set() or task.done():
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -13,7 +13,7 @@ gateway errors:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +28,19 @@ from gateway.errors import (
 )
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+SENT_EVENT = "http11.send_request_body.complete"
+
+
+def _extensions(on_sent: Callable[[], None] | None) -> dict[str, Any]:
+    """An httpcore trace hook calling ``on_sent`` once the request body is on the wire."""
+    if on_sent is None:
+        return {}
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == SENT_EVENT:
+            on_sent()
+
+    return {"trace": trace}
 
 
 class UpstreamClientError(GatewayError):
@@ -99,10 +112,17 @@ class Upstream:
         self.base_url = normalize_base_url(base_url)
         self.client = client
 
-    async def post(self, path: str, content: bytes) -> tuple[dict[str, Any], bytes]:
-        """POST JSON; the parsed 2xx body and its raw bytes, or a gateway error."""
+    async def post(
+        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """POST JSON; the parsed 2xx body and its raw bytes, or a gateway error.
+
+        ``on_sent`` is called when the request has been written (HTTP/1.1 transports).
+        """
         try:
-            response = await self.client.post(self.base_url + path, content=content, headers=JSON_HEADERS)
+            response = await self.client.post(
+                self.base_url + path, content=content, headers=JSON_HEADERS, extensions=_extensions(on_sent)
+            )
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         if response.status_code >= 300:
@@ -131,7 +151,9 @@ class Upstream:
         return response
 
     @asynccontextmanager
-    async def stream(self, path: str, content: bytes) -> AsyncIterator[AsyncIterator[bytes]]:
+    async def stream(
+        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
         """POST and yield the upstream body as an iterator of byte chunks.
 
         Errors before the first byte raise gateway errors; errors while iterating
@@ -141,6 +163,7 @@ class Upstream:
         request = self.client.build_request(
             "POST", self.base_url + path, content=content,
             headers={"content-type": "application/json", "accept": "text/event-stream"},
+            extensions=_extensions(on_sent),
         )
         try:
             response = await self.client.send(request, stream=True)

@@ -61,18 +61,25 @@ def check_request(
 
 
 def compare_requests(
-    previous: Mapping[str, Any], current: Mapping[str, Any], *, tokenizer: Tokenizer | None = None
+    previous: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    tokenizer: Tokenizer | None = None,
+    same_conversation: bool | None = None,
 ) -> list[Finding]:
     """PS2xx findings: where ``current`` stops extending ``previous``'s prefix, and why.
 
     ``current`` is a later turn of the same conversation (same first non-system
     message: its whole history should extend ``previous``) or of the same family
     (only the tools, response format and leading instructions should match).
+    ``same_conversation`` overrides that inference (pass True when the caller
+    knows, e.g. from a conversation header, that both are turns of one
+    conversation: then a history truncated at its start is reported too).
     ``tokens_lost`` is estimated with ``tokenizer`` (default: the approximation).
     """
     if not isinstance(previous, Mapping) or not isinstance(current, Mapping):
         return []
-    result = divergence.compare(previous, current, tokenizer=tokenizer)
+    result = divergence.compare(previous, current, tokenizer=tokenizer, same_conversation=same_conversation)
     if result is None:
         return []
     rule = get_rule(result.code)

@@ -33,7 +33,7 @@ from linter.volatile import find_volatile
 DEFAULT_BLOCK_SIZE = 16
 _MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
 _TOOL_INDEX = re.compile(r"^tools\[(\d+)\]")
-_default_tokenizer = ApproxTokenizer()
+_default_tokenizer = ApproxTokenizer(memo_limit=4096)  # long-lived in the gateway: keep it small
 
 T = TypeVar("T", str, list[int])
 
@@ -160,11 +160,14 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     assert isinstance(prev_msgs, list) and isinstance(cur_msgs, list)
     if index >= len(cur_msgs):
         return "PS204", f"history truncated: the earlier request had messages[{index}], this one stops before it"
-    later = prev_msgs[index + 1 :]
+    later = prev_msgs[index + 1 :]  # prefixgate: noqa: PS305 (analysis, not prompt building)
     if later and cur_msgs[index] in later:
         dropped = later.index(cur_msgs[index]) + 1
         return "PS204", f"history truncated in the middle: {dropped} earlier message(s) dropped at messages[{index}]"
-    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to"
+    hint = ""
+    if _conversation_id(previous) is None and before is not None and chat_request.role(before) == "assistant":
+        hint = " (or another conversation with the same first message: set metadata.conversation_id or user)"
+    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to{hint}"
 
 
 def _args(call: Mapping[str, Any]) -> Any:
@@ -205,10 +208,15 @@ def compare(
     tokenizer: Tokenizer | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     rendered: Sequence[Rendered] | None = None,
+    same_conversation: bool | None = None,
 ) -> Divergence | None:
-    """The first divergence of ``current`` from ``previous`` (see the module docstring), or None."""
+    """The first divergence of ``current`` from ``previous`` (see the module docstring), or None.
+
+    ``same_conversation`` None means: infer it with :func:`is_same_conversation`.
+    """
     pr, cr = rendered if rendered is not None else (render(previous), render(current))
-    same_conversation = is_same_conversation(previous, current)
+    if same_conversation is None:
+        same_conversation = is_same_conversation(previous, current)
     expected_end = pr.history_end if same_conversation else pr.static_end
     if expected_end == 0:
         return None

@@ -75,6 +75,9 @@ class Prompts:
             blocks = min(common_prefix_len(ids, earlier[0]) // self.block_size, len(earlier[1]))
             if blocks > shared_blocks:
                 shared_blocks, reuse = blocks, earlier[1]
+            # The conversation key includes the static parts, so a conversation
+            # match already covers everything the family match could.
+            break
         if shared_blocks:
             parent = reuse[shared_blocks - 1]
         hashes = reuse[:shared_blocks] + hash_block_chain(ids, self.block_size, parent=parent, start_block=shared_blocks)

@@ -1,14 +1,17 @@
 """Tokenizers for the hit-rate estimate: exact (a ``tokenizer.json``) or a fast approximation.
 
-:class:`ApproxTokenizer` splits text into letter runs of at most four letters,
-runs of up to three digits, single punctuation characters, single newlines and
-runs of other whitespace, and maps each piece to a stable id (CRC32 of its UTF-8
-bytes). That yields roughly one token per 3-4 characters of English, like a BPE
-vocabulary, and identical text always gets identical ids, which is all prefix
-matching needs. It is deterministic across processes and machines.
+:class:`ApproxTokenizer` splits text into pieces, like a byte-level BPE
+vocabulary: the ChatML markers ``<|im_start|>``/``<|im_end|>`` whole, runs of up
+to eight letters with an optional leading space, single digits, one or two
+punctuation characters (``<`` alone) with an optional leading space, single
+newlines and runs of other whitespace. Each piece maps to a stable id (CRC32 of
+its UTF-8 bytes). On the example corpora this counts 5-15% more tokens than the
+bundled SmolLM2 tokenizer; identical text always gets identical ids, which is
+all prefix matching needs, and it is deterministic across processes and machines.
 
-No piece spans a newline or a ``<``, and every boundary between two segments of
-a rendered prompt (:mod:`linter.render`) has one of them on a side, so
+A newline is always a piece of its own and a ``<`` can only begin a piece. Every
+boundary between two segments of a rendered prompt (:mod:`linter.render`) has a
+newline on its left or a ``<`` or newline on its right, so no piece crosses it and
 tokenizing a prompt equals concatenating the tokenizations of its segments:
 :meth:`ApproxTokenizer.encode_parts` does that with a memo, so a conversation's
 history, repeated in every later turn, is tokenized once.
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-_PIECE = re.compile(r"[^\W\d_]{1,4}|\d{1,3}|[^\w\s]|_|\n|[^\S\n]+")
+_PIECE = re.compile(r"<\|im_(?:start|end)\|>| ?[^\W\d_]{1,8}|\d| ?[^\w\s<]{1,2}|<|_|\n|[^\S\n]+")
 _MEMO_LIMIT = 50_000
 
 
@@ -39,9 +42,10 @@ class ApproxTokenizer:
 
     name = "approximate"
 
-    def __init__(self) -> None:
+    def __init__(self, memo_limit: int = _MEMO_LIMIT) -> None:
         self._ids: dict[str, int] = {}
         self._memo: dict[str, list[int]] = {}
+        self._memo_limit = memo_limit
 
     def encode_parts(self, parts: Sequence[str]) -> list[int]:
         """``encode("".join(parts))`` for the segments of a rendered prompt, memoized per segment."""
@@ -51,7 +55,7 @@ class ApproxTokenizer:
             ids = memo.get(part)
             if ids is None:
                 ids = self.encode(part)
-                if len(memo) >= _MEMO_LIMIT:
+                if len(memo) >= self._memo_limit:
                     memo.clear()
                 memo[part] = ids
             out.extend(ids)

@@ -41,6 +41,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import os
     import signal
 
     from gateway.engine_process import EngineProcess, EngineStartError
@@ -57,17 +58,28 @@ def run(args: argparse.Namespace) -> int:
     # the signal, and the KeyboardInterrupt lands here so the engine is stopped too.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     log.info("starting the engine: %s", " ".join(engine.command))
+    engine_died: list[int] = []
+
+    def on_engine_exit(status: int) -> None:
+        if status == 0:  # a clean exit: the engine got Ctrl-C with us (same process group)
+            return
+        engine_died.append(status)
+        log.error("the engine exited with status %s; stopping the gateway", status)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully (stats flushed)
+
     try:
         engine.start()
         engine.wait_healthy(args.engine_timeout)
+        engine.watch(on_engine_exit)
         log.info("engine healthy at %s; starting the gateway on %s:%d", engine.url, args.host, args.port)
         run_gateway(settings, args.host, args.port, args.log_level)
-        return 0
+        return 1 if engine_died else 0
     except EngineStartError as exc:
         print(f"prefixgate serve: {exc}", flush=True)
         return 1
     except KeyboardInterrupt:
-        return 0
+        return 1 if engine_died else 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # no interrupt in the middle of stopping
         code = engine.stop()
         log.info("engine stopped (exit status %s)", code)

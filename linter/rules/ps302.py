@@ -13,8 +13,8 @@ Anti-pattern
 Better
     json.dumps(value, sort_keys=True, separators=(",", ":"))
 
-Flagged when the call's result goes into an f-string, a string concatenation or
-``.format``, a ``content``/``arguments``/``description`` value, a keyword of
+Flagged when the call's result goes into an f-string, a string concatenation
+(other than with whitespace alone, e.g. a JSONL newline) or ``.format``, a ``content``/``arguments``/``description`` value, a keyword of
 those names or ``tools``, a variable whose name mentions prompt, tool, system,
 message, content, instruction, schema, context or argument, or the return value
 of a function whose name does. Suppress with ``# prefixgate: noqa: PS302``.
@@ -40,15 +40,33 @@ def _sorted(call: ast.Call) -> bool:
     return False
 
 
+def _whitespace(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and not node.value.strip()
+
+
 def _builds_prompt(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether the dumps result becomes prompt text (see the module docstring).
+
+    Serializing a record (``json.dumps(x) + "\n"``, ``f"{json.dumps(x)}\n"``) or
+    bytes (``.encode()``) is not prompt building by itself; the walk goes on to
+    where that value ends up.
+    """
     child: ast.AST = node
     parent = parents.get(child)
     while parent is not None:
-        if isinstance(parent, ast.JoinedStr | ast.FormattedValue):
-            return True
+        if isinstance(parent, ast.Attribute) and parent.attr == "encode":
+            return False
+        if isinstance(parent, ast.JoinedStr):
+            formatted = [v for v in parent.values if isinstance(v, ast.FormattedValue)]
+            if len(formatted) > 1 or not all(_whitespace(v) for v in parent.values if v not in formatted):
+                return True
         if isinstance(parent, ast.BinOp) and isinstance(parent.op, ast.Add):
-            return True
-        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr in ("format", "join"):
+            other = parent.right if child is parent.left else parent.left
+            if isinstance(other, ast.Constant) and isinstance(other.value, bytes):
+                return False
+            if not _whitespace(other):
+                return True
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr == "format":
             return True
         if isinstance(parent, ast.keyword) and parent.arg in _KEYS:
             return True

@@ -15,8 +15,8 @@ Better
     Append only; when the context is full, compact once (replace many old turns
     with a summary in one step) and then keep appending, so most turns hit the cache.
 
-Detected on names that mention messages, history, conversation, turns, chat or
-transcript: a slice with a start other than 0, ``del x[...]``, ``x.pop(i)`` with
+Detected on names ending in messages, msgs, history, turns, transcript,
+conversation or chat (``chat_history``, ``self.messages``): a slice with a start other than 0, ``del x[...]``, ``x.pop(i)`` with
 an index other than -1, ``x.insert(i, ...)`` and ``x.remove(...)``.
 """
 
@@ -28,11 +28,14 @@ from collections.abc import Iterator
 from linter import python_ast as pa
 from linter.rule import Hit, Options, Rule
 
+_HISTORY_ENDINGS = ("messages", "msgs", "history", "turns", "transcript", "conversation", "chat")
+
 
 def _history(node: ast.expr) -> str | None:
+    """The dotted name if it names a message list (``messages``, ``chat_history``, ...), else None."""
     name = pa.dotted_name(node)
-    last = name.split(".")[-1]
-    return name if last and pa.HISTORY_NAME.search(last) and "system" not in last.lower() else None
+    last = name.split(".")[-1].lower()
+    return name if last.endswith(_HISTORY_ENDINGS) and "system" not in last else None
 
 
 def _from_middle(s: ast.Slice) -> bool:
@@ -59,7 +62,10 @@ def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
             method = node.func.attr
             if name is None:
                 continue
-            if (method == "pop" and node.args and not _is_minus_one(node.args[0])) or method in ("insert", "remove"):
+            index = node.args[0] if node.args else None
+            if isinstance(index, ast.Constant) and not isinstance(index.value, int):
+                continue  # dict.pop("key"): not a list of messages
+            if (method == "pop" and index is not None and not _is_minus_one(index)) or method in ("insert", "remove"):
                 yield Hit(f"{name}.{method}(...) edits the history instead of appending", line=node.lineno, column=node.col_offset + 1)
 
 

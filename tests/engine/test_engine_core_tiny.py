@@ -73,7 +73,7 @@ def test_reuse_gives_the_same_tokens_and_logits_as_no_caching(make_tiny_engine):
             run(cached_engine, prompt_of(40, offset=77), max_tokens=1)
         cached = run(cached_engine, prompt, max_tokens=12, rid="same")
         fresh = run(plain_engine, prompt, max_tokens=12, rid="same")
-        assert cached[-1].num_cached_tokens == 224
+        assert cached[-1].num_cached_tokens == expected_hit(len(prompt), 224 if not from_blocks else len(prompt))
         assert fresh[-1].num_cached_tokens == 0
         assert tokens_of(cached) == tokens_of(fresh)
         diff = torch.max(torch.abs(logits[("cached", "same")] - logits[("plain", "same")]))
@@ -203,3 +203,26 @@ def wait_until_idle(engine, timeout=60.0):
             return
         time.sleep(0.01)
     raise AssertionError(f"engine still busy after {timeout} s: {engine.stats()}")
+
+
+def test_preempted_requests_finish_with_the_same_tokens(make_tiny_engine):
+    # 12 blocks of 16 tokens; two requests growing to 9 blocks each cannot both fit.
+    engine = make_tiny_engine(kv_cache_memory_gib=12 * 16 * 512 / 1024**3)
+    assert engine.kv_cache_manager.num_blocks == 12
+    engine.scheduler.reserve_horizon = 8  # admit both, then run out of blocks while decoding
+    prompts = [prompt_of(40, offset=31), prompt_of(40, offset=32)]
+    solo = [tokens_of(run(engine, p, max_tokens=100, ignore_eos=True)) for p in prompts]
+
+    async def together():
+        params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        streams = [engine.submit(GenerationRequest(f"pre-{i}", p, params)) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    both = asyncio.run(together())
+    assert engine.stats().num_preemptions >= 1
+    assert [tokens_of(outs) for outs in both] == solo
+    assert all(outs[-1].finish_reason == "length" for outs in both)
+    assert all(outs[-1].num_cached_tokens == 32 for outs in both)  # the first prefill's hit
+    wait_until_idle(engine)
+    engine.kv_cache_manager.check_integrity()
+    assert engine.kv_cache_manager.num_free_blocks == 12

@@ -19,6 +19,7 @@ CONFIG = {
         "alpha": {"keys": [hash_key(KEY_A)]},
         "beta": {"keys": [hash_key(KEY_B)], "isolation": "group:team"},
         "gamma": {"keys": [hash_key("key-c")], "isolation": "shared", "canonicalize": False},
+        "delta": {"keys": [hash_key("key-d")], "isolation": "group:team"},
         "strict": {"keys": [hash_key("key-s")], "reject_on": ["PS101"]},
     },
 }
@@ -43,9 +44,13 @@ def test_salt_is_server_side_and_client_salt_is_replaced(tmp_path, fake_upstream
             plain = await gw.post("/v1/chat/completions", json=CHAT, headers=auth(KEY_A))
             salted = await gw.post("/v1/chat/completions", json={**CHAT, "cache_salt": "user-7"}, headers=auth(KEY_A))
             shared = await gw.post("/v1/chat/completions", json=CHAT, headers=auth("key-c"))
+            for key in (KEY_B, "key-d", KEY_B):
+                await gw.post("/v1/chat/completions", json={**CHAT, "cache_salt": "u1"}, headers=auth(key))
             return plain, salted, shared
 
     plain, salted, shared = run(go())
+    group = [body["cache_salt"] for body in fake_upstream.bodies[3:]]
+    assert group[0] == group[1] == group[2] == derive_cache_salt(SECRET, "group:team", "u1")
     assert plain.status_code == salted.status_code == shared.status_code == 200
     sent = fake_upstream.bodies
     assert sent[0]["cache_salt"] == derive_cache_salt(SECRET, "tenant:alpha", None)

@@ -122,3 +122,17 @@ def test_cli_db_and_stats(tmp_path):
     down = subprocess.run([*cli, "db", "downgrade", "base", "--db-url", url], capture_output=True, text=True,
                           timeout=120)
     assert down.returncode == 0 and "base" in down.stdout
+
+
+def test_table_definition_matches_the_migrations(tmp_path):
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from gateway.stats_table import metadata
+
+    url = database.default_db_url(tmp_path)
+    database.upgrade(url)
+    engine = database.create_db_engine(url)
+    with engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), metadata) == []
+    engine.dispose()

@@ -1,4 +1,4 @@
-"""Linter test setup: assertion rewriting for the shared case helpers, and an offline environment."""
+"""Linter test setup: assertion rewriting for the shared case helpers (lint_cases.py)."""
 
 import pytest
 

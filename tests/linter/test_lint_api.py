@@ -124,3 +124,13 @@ def test_structured_odd_input_never_raises_in_rules_fixes_or_comparisons(a, b):
     for rule in all_rules().values():
         if rule.fix is not None:
             render(rule.fix(a))
+
+
+def test_caller_can_assert_the_same_conversation():
+    sys_msg = {"role": "system", "content": "Be brief."}
+    turns = [{"role": "user", "content": f"q{i}"} if i % 2 == 0 else {"role": "assistant", "content": f"a{i}"} for i in range(6)]
+    previous = {"model": "m", "messages": [sys_msg, *turns]}
+    window = {"model": "m", "messages": [sys_msg, *turns[2:], {"role": "assistant", "content": "a6"}, {"role": "user", "content": "q7"}]}
+    assert compare_requests(previous, window) == []  # first turns differ: compared as a family only
+    (finding,) = compare_requests(previous, window, same_conversation=True)
+    assert finding.code == "PS204" and "truncated" in finding.message

@@ -1,6 +1,7 @@
 """The example corpora: planted breaks found at their lines, a hand-computed hit rate, a clean corpus."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 from linter.config import LintConfig
@@ -107,3 +108,21 @@ def test_per_request_findings_cost_the_static_tokens_after_them():
     assert first.tokens_lost == (static_end // BLOCK - value_at // BLOCK) * BLOCK > 0
     (reordered,) = [f for f in report.findings if f.code == "PS104" and f.line == 6]
     assert reordered.tokens_lost is None  # in the tools' JSON: measured by PS203 and the table
+
+
+def test_json_array_findings_point_at_the_offending_line(tmp_path):
+    bodies = [
+        {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"}]},
+        {"model": "m", "messages": [{"role": "system", "content": "Now 2026-11-21T10:00:00Z"}, {"role": "user", "content": "b"}]},
+    ]
+    path = tmp_path / "requests.json"
+    text = json.dumps(bodies, indent=2)
+    path.write_text(text)
+    report = lint_paths([path], LintConfig(select={"PS101"}), ApproxTokenizer(), with_estimate=False)
+    (finding,) = report.findings
+    lines = text.splitlines()
+    expected_line = next(n for n, line in enumerate(lines, 1) if "2026-11-21T10:00:00Z" in line)
+    assert (finding.line, finding.column) == (expected_line, lines[expected_line - 1].index("2026") + 1)
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps({"request": bodies[1]}))
+    assert [f.line for f in lint_paths([single], LintConfig(select={"PS101"}), ApproxTokenizer()).findings] == [1]

@@ -1,6 +1,7 @@
 """Tokenizers for the estimate: the approximation, a tokenizer.json, and the bundled model's."""
 
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -21,12 +22,13 @@ def crc(piece):
 
 
 def test_approximation_is_deterministic_word_pieces():
-    assert ApproxTokenizer().encode("Hello world, 12345!") == [
-        crc("Hell"), crc("o"), crc(" "), crc("worl"), crc("d"), crc(","), crc(" "), crc("123"), crc("45"), crc("!"),
+    assert ApproxTokenizer().encode("<|im_start|>Hello wonderful_world, 1234!\n") == [
+        crc("<|im_start|>"), crc("Hello"), crc(" wonderfu"), crc("l"), crc("_"), crc("world"), crc(","),
+        crc(" "), crc("1"), crc("2"), crc("3"), crc("4"), crc("!"), crc("\n"),
     ]
     text = "You are a helpful assistant.\n" * 10
     assert ApproxTokenizer().encode(text) == ApproxTokenizer().encode(text)
-    assert 0.15 < len(ApproxTokenizer().encode(text)) / len(text) < 0.5
+    assert 0.15 < len(ApproxTokenizer().encode(text)) / len(text) < 0.35
 
 
 @settings(max_examples=200, deadline=None)
@@ -98,3 +100,8 @@ def test_estimate_with_the_real_bundled_tokenizer(tmp_path):
     corpus.write_text('{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"}]}\n')
     report = lint_paths([corpus], LintConfig(), tok)
     assert report.estimate.prompt_tokens == len(real.encode(text, add_special_tokens=False).ids)
+    examples = Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl"
+    exact = lint_paths([examples], LintConfig(), tok).estimate
+    approx = lint_paths([examples], LintConfig(), ApproxTokenizer()).estimate
+    assert 0.8 < approx.prompt_tokens / exact.prompt_tokens < 1.25
+    assert abs(approx.hit_rate - exact.hit_rate) < 0.05

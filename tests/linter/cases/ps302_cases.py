@@ -35,3 +35,15 @@ def unrelated_file_write(data: dict, path: str) -> None:
 
 def explicit_false(data: dict) -> dict:
     return {"content": json.dumps(data, sort_keys=False)}  # expect: PS302 at "json.dumps"
+
+
+def jsonl_line(record: dict) -> str:
+    return json.dumps(record) + "\n"
+
+
+def sse_event(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def template(system: str, tools: list) -> str:
+    return f"{system}\n{json.dumps(tools)}"  # expect: PS302 at "json.dumps"

@@ -20,3 +20,8 @@ def append_only(messages: list, system_messages: list) -> list:
     last = messages.pop()
     head = messages[:5]
     return [*system_messages[1:], last, *head, *messages[-1:]]  # expect: PS305 at "messages[-1:]"
+
+
+def dict_pop_is_not_history(message: dict, conversations: dict, key: str) -> None:
+    message.pop("tool_calls", None)
+    conversations.pop(key)

@@ -1,0 +1,26 @@
+"""EngineStats: a snapshot of an engine's counters, read by the metrics endpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (tokens for queries and hits)."""
+
+    prefix_cache_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_finished: int
+    num_aborted: int
+    num_failed: int
+    num_preemptions: int
+    ttft_count: int
+    ttft_sum_s: float
