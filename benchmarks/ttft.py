@@ -13,8 +13,9 @@ is the prefix followed by a short unique suffix:
 * floor: a bare forward over the suffix tokens alone (no cache, stock SDPA
   attention, last-position logits only), the least any warm request can cost.
 
-Each kind runs as its own phase (all cold runs, then warm, gather, floor) within
-one run of this script.
+Each kind runs as its own phase (cold, then warm, gather, floor) within one run
+of this script, and every measured prompt has its own suffix (a repeated prompt
+would also hit the block its suffix filled the first time).
 
 TTFT is the engine's own measurement (arrival to first sampled token). It prints
 a table of medians and writes benchmarks/results/ttft.json, including whether
@@ -99,36 +100,41 @@ def floor_seconds(model: Any, suffix: list[int]) -> float:
 def bench_length(cached: LLMEngine, plain: LLMEngine, timers: dict[str, Timer], length: int, runs: int) -> dict[str, Any]:
     tok = cached.tokenizer
     prefix = text_tokens(tok, length, seed=length)
-    suffixes = [text_tokens(tok, SUFFIX_TOKENS, seed=10_000 + length * 100 + r) for r in range(runs + 1)]
+    # Every measured prompt has its own suffix: a repeated prompt would also hit the
+    # block its own suffix filled the first time, and run fewer tokens.
+    suffixes = [text_tokens(tok, SUFFIX_TOKENS, seed=10_000 + length * 100 + r) for r in range(2 * runs + 1)]
     generate(cached, timers["cached"], f"prime-{length}", prefix + suffixes[-1])
     floor_seconds(cached.model, suffixes[0])  # warm-up
-    # One phase per kind: a request right after a long prefill on the other engine's
-    # thread runs measurably slower (its thread pool still holds the cores), which
-    # would charge the cold run's cost to the warm one.
-    prompts = [prefix + suffixes[r] for r in range(runs)]
-    cold_runs = [generate(plain, timers["plain"], f"cold-{length}-{r}", p) for r, p in enumerate(prompts)]
-    warm_runs = [generate(cached, timers["cached"], f"warm-{length}-{r}", p) for r, p in enumerate(prompts)]
+    # One phase per kind (cold, warm, gather, floor), each over its own prompts.
+    warm_prompts = [prefix + suffixes[r] for r in range(runs)]
+    gather_prompts = [prefix + suffixes[runs + r] for r in range(runs)]
+    cold_runs = [
+        generate(plain, timers["plain"], f"cold-{length}-{r}", p)
+        for r, p in enumerate(warm_prompts + gather_prompts)
+    ]
+    warm_runs = [generate(cached, timers["cached"], f"warm-{length}-{r}", p) for r, p in enumerate(warm_prompts)]
     gather_runs = []
-    for r, p in enumerate(prompts):
+    for r, p in enumerate(gather_prompts):
         cached.runner.drop_spare()  # the engine is idle: nothing else touches the runner
         gather_runs.append(generate(cached, timers["cached"], f"gather-{length}-{r}", p))
     floor = [floor_seconds(cached.model, suffixes[r]) for r in range(runs)]
     cold = [c[0] for c in cold_runs]
     warm = [w[0] for w in warm_runs]
     gather = [g[0] for g in gather_runs]
-    hits = [w[2] for w in warm_runs]
-    identical = [c[1] == w[1] == g[1] for c, w, g in zip(cold_runs, warm_runs, gather_runs, strict=True)]
+    hits = [w[2] for w in warm_runs + gather_runs]
+    identical = [c[1] == w[1] for c, w in zip(cold_runs, warm_runs + gather_runs, strict=True)]
     row = {
         "prefix_tokens": length,
         "prompt_tokens": length + SUFFIX_TOKENS,
         "cached_tokens": statistics.median(hits),
+        "cached_tokens_all": hits,
         "cold_ms": statistics.median(cold) * 1e3,
         "warm_ms": statistics.median(warm) * 1e3,
         "warm_gather_ms": statistics.median(gather) * 1e3,
         "floor_ms": statistics.median(floor) * 1e3,
         "identical_greedy_outputs": all(identical),
         "runs": runs,
-        "cold_all_ms": [x * 1e3 for x in cold],
+        "cold_all_ms": [c[0] * 1e3 for c in cold_runs],
         "warm_all_ms": [x * 1e3 for x in warm],
         "warm_gather_all_ms": [x * 1e3 for x in gather],
         "floor_all_ms": [x * 1e3 for x in floor],

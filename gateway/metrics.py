@@ -3,6 +3,8 @@ live in one process)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from gateway.request_record import RequestRecord
@@ -13,6 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._request_children: dict[tuple[str, int], Any] = {}
         self.requests = Counter(
             "prefixgate_requests", "Proxied requests by endpoint and status.",
             ["endpoint", "status"], registry=self.registry,
@@ -44,7 +47,11 @@ class GatewayMetrics:
         )
 
     def observe(self, record: RequestRecord) -> None:
-        self.requests.labels(record.endpoint, str(record.status)).inc()
+        key = (record.endpoint, record.status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self._request_children[key] = self.requests.labels(record.endpoint, str(record.status))
+        counter.inc()
         if record.prompt_tokens is not None:
             self.prompt_tokens.inc(record.prompt_tokens)
             if record.cached_tokens is None:

@@ -106,7 +106,8 @@ class PrefixWarner:
         if key is None:
             return warnings
         previous = self._remember(tenant, key, canonical, body_size)
-        if previous is not None:
+        # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
+        if previous is not None and previous != canonical:
             try:
                 warnings.extend(_convert(compare_requests(previous, canonical)))
             except Exception:

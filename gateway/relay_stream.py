@@ -46,10 +46,12 @@ class RelayStream:
     async def events(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self.chunks:
-                for event in self.relay.feed(chunk):
-                    yield event
-            for event in self.relay.finish():
-                yield event
+                events = self.relay.feed(chunk)
+                if events:  # the events of one upstream read go out in one write
+                    yield b"".join(events)
+            tail = self.relay.finish()
+            if tail:
+                yield b"".join(tail)
             if not self.relay.saw_done:
                 raise UpstreamError("upstream stream ended before 'data: [DONE]'")
             self._status, self._code = 200, None

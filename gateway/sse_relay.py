@@ -16,6 +16,7 @@ Usage and the time of the first event are copied into the request record.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -23,6 +24,7 @@ import orjson
 from gateway.request_record import RequestRecord
 
 DONE = b"[DONE]"
+_HAS_FINISH = re.compile(rb'"finish_reason"\s*:(?!\s*null)')
 
 
 class SseRelay:
@@ -60,6 +62,8 @@ class SseRelay:
         if data.strip() == DONE:
             self.saw_done = True
             return [*self._pending_warnings(), event]
+        if not self._may_matter(data):
+            return [event]
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -67,6 +71,14 @@ class SseRelay:
         if not isinstance(chunk, dict):
             return [event]
         return self._chunk(chunk, event)
+
+    def _may_matter(self, data: bytes) -> bool:
+        """False when the chunk surely needs no parsing: no usage, and no finish
+        reason while warnings still wait for the final chunk (a cheap byte test
+        that keeps plain content chunks off the JSON parser)."""
+        if b'"usage"' in data:
+            return True
+        return bool(self.warnings) and _HAS_FINISH.search(data) is not None
 
     def _chunk(self, chunk: dict[str, Any], event: bytes) -> list[bytes]:
         usage = chunk.get("usage")

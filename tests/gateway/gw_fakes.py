@@ -122,7 +122,6 @@ async def gateway_client(settings: GatewaySettings, upstream_transport: httpx.As
     app = create_app(settings, upstream_client)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            client.app = app  # type: ignore[attr-defined]
             yield client
     finally:
         await app.state.gateway.aclose()

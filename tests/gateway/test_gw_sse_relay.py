@@ -81,3 +81,12 @@ def test_missing_cached_tokens_stays_unknown_and_crlf_is_handled():
     out = relay.feed(raw) + relay.feed(b": keep-alive\r\n\r\ndata: [DONE]\r\n\r\n") + relay.finish()
     assert out[1:] == [b": keep-alive\n\n", b"data: [DONE]\n\n"]  # comments pass through
     assert record.prompt_tokens == 5 and record.cached_tokens is None and relay.saw_done
+
+
+def test_spaced_json_from_other_upstreams_is_understood():
+    relay = SseRelay(RequestRecord("chat.completions", "u"), strip_usage=True, warnings=WARNINGS)
+    content = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+    final = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+    assert relay.feed(content) == [content]  # untouched, not even parsed
+    (out,) = relay.feed(final)
+    assert orjson.loads(out[6:])["prefix_warnings"] == WARNINGS
