@@ -40,6 +40,9 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/block_hash.py
+	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/lint_throughput.py
+	$(PY) benchmarks/gateway_overhead.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# (module, summary). Order is the order shown in --help.
+# Subcommand modules, in the order --help lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "engine.cli",
     "linter.cli",
@@ -33,17 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # that subcommand's module is not part of this install (yet)
-        module.add_parser(subparsers)
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code (2 for a usage error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
