@@ -13,9 +13,9 @@ is the prefix followed by a short unique suffix:
 * floor: a bare forward over the suffix tokens alone (no cache, stock SDPA
   attention, last-position logits only), the least any warm request can cost.
 
-Each kind runs as its own phase (cold, then warm, gather, floor) within one run
-of this script, and every measured prompt has its own suffix (a repeated prompt
-would also hit the block its suffix filled the first time).
+The kinds are interleaved run by run within one run of this script, and every
+measured prompt has its own suffix (a repeated prompt would also hit the block
+its suffix filled the first time, and run fewer tokens).
 
 TTFT is the engine's own measurement (arrival to first sampled token). It prints
 a table of medians and writes benchmarks/results/ttft.json, including whether
@@ -105,24 +105,24 @@ def bench_length(cached: LLMEngine, plain: LLMEngine, timers: dict[str, Timer], 
     suffixes = [text_tokens(tok, SUFFIX_TOKENS, seed=10_000 + length * 100 + r) for r in range(2 * runs + 1)]
     generate(cached, timers["cached"], f"prime-{length}", prefix + suffixes[-1])
     floor_seconds(cached.model, suffixes[0])  # warm-up
-    # One phase per kind (cold, warm, gather, floor), each over its own prompts.
+    # The kinds are interleaved run by run, so that load from other processes hits
+    # them alike; each measured prompt is used once per engine.
     warm_prompts = [prefix + suffixes[r] for r in range(runs)]
     gather_prompts = [prefix + suffixes[runs + r] for r in range(runs)]
-    cold_runs = [
-        generate(plain, timers["plain"], f"cold-{length}-{r}", p)
-        for r, p in enumerate(warm_prompts + gather_prompts)
-    ]
-    warm_runs = [generate(cached, timers["cached"], f"warm-{length}-{r}", p) for r, p in enumerate(warm_prompts)]
-    gather_runs = []
-    for r, p in enumerate(gather_prompts):
+    cold_runs, warm_runs, gather_runs, floor = [], [], [], []
+    for r in range(runs):
+        cold_runs.append(generate(plain, timers["plain"], f"cold-{length}-{r}", warm_prompts[r]))
+        warm_runs.append(generate(cached, timers["cached"], f"warm-{length}-{r}", warm_prompts[r]))
+        cold_runs.append(generate(plain, timers["plain"], f"cold-g-{length}-{r}", gather_prompts[r]))
         cached.runner.drop_spare()  # the engine is idle: nothing else touches the runner
-        gather_runs.append(generate(cached, timers["cached"], f"gather-{length}-{r}", p))
-    floor = [floor_seconds(cached.model, suffixes[r]) for r in range(runs)]
+        gather_runs.append(generate(cached, timers["cached"], f"gather-{length}-{r}", gather_prompts[r]))
+        floor.append(floor_seconds(cached.model, suffixes[r]))
     cold = [c[0] for c in cold_runs]
     warm = [w[0] for w in warm_runs]
     gather = [g[0] for g in gather_runs]
     hits = [w[2] for w in warm_runs + gather_runs]
-    identical = [c[1] == w[1] for c, w in zip(cold_runs, warm_runs + gather_runs, strict=True)]
+    pairs = zip(cold_runs, [run for pair in zip(warm_runs, gather_runs, strict=True) for run in pair], strict=True)
+    identical = [c[1] == w[1] for c, w in pairs]
     row = {
         "prefix_tokens": length,
         "prompt_tokens": length + SUFFIX_TOKENS,

@@ -75,8 +75,18 @@ def position_masked_attention(
 
 
 def install(model: Any) -> None:
-    """Register the attention function and make ``model`` use it."""
+    """Register the attention function and make ``model`` use it.
+
+    Raises ValueError for models whose attention is not plain causal attention
+    (sliding windows, logit soft-capping), which this function does not implement.
+    """
     from transformers import AttentionInterface
+
+    config = model.config
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"sliding-window attention ({config.sliding_window}) is not supported")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("attention logit soft-capping is not supported")
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, position_masked_attention)
     model.config._attn_implementation = ATTN_IMPLEMENTATION

@@ -102,10 +102,8 @@ class KVStorage:
         self, layer: int, block_ids: torch.Tensor, key_out: torch.Tensor, value_out: torch.Tensor
     ) -> None:
         """Copy whole blocks, in table order, into ``[kv_heads, n, head_dim]`` views
-        (``n = len(block_ids) * block_size``)."""
-        n = block_ids.numel() * self.layout.block_size
-        h, d = self.layout.kv_heads, self.layout.head_dim
-        keys = self.keys[layer].index_select(0, block_ids).view(n, h, d)
-        values = self.values[layer].index_select(0, block_ids).view(n, h, d)
-        key_out.copy_(keys.transpose(0, 1))
-        value_out.copy_(values.transpose(0, 1))
+        (``n = len(block_ids) * block_size``; any strides whose token dimension can be
+        split into blocks). One pass per tensor: the gather writes straight into the views."""
+        h, nb, bs, d = self.layout.kv_heads, block_ids.numel(), self.layout.block_size, self.layout.head_dim
+        for pool, out in ((self.keys[layer], key_out), (self.values[layer], value_out)):
+            torch.index_select(pool.permute(2, 0, 1, 3), 1, block_ids, out=out.view(h, nb, bs, d))

@@ -81,7 +81,10 @@ class LLMEngine:
         attention.install(model)
         self.runner = ModelRunner(model, self.storage)
         model_len = config.max_model_len or mc.max_position_embeddings
-        self.max_model_len = min(model_len, self.storage.num_blocks * config.block_size)
+        kv_tokens = self.storage.num_blocks * config.block_size
+        if model_len > kv_tokens:
+            logger.warning("max_model_len %d capped to the KV cache's %d tokens", model_len, kv_tokens)
+        self.max_model_len = min(model_len, kv_tokens)
         self.model_id = config.served_model_name or str(getattr(mc, "name_or_path", "") or "model")
         self.supports_images = False
         self.vocab_size = int(mc.vocab_size)

@@ -44,7 +44,9 @@ class _WorkingLayer(DynamicLayer):
     :mod:`engine.attention`, which masks the padding by position).
     """
 
-    def __init__(self, keys_t: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    def __init__(self, keys_t: torch.Tensor, values: torch.Tensor, length: int, fresh: bool) -> None:
+        """``fresh``: the buffers come from ``torch.empty`` and may hold non-finite
+        garbage past ``length`` (zeroed here); recycled buffers hold finite stale data."""
         super().__init__()
         capacity = values.shape[-2]
         assert keys_t.shape[-1] == capacity == padded_length(capacity)
@@ -53,9 +55,13 @@ class _WorkingLayer(DynamicLayer):
         self.length = length
         self.dtype, self.device = values.dtype, values.device
         self.is_initialized = True
-        keys_t[..., length:].zero_()
-        values[:, :, length:].zero_()
+        if fresh:
+            keys_t[..., length:].zero_()
+            values[:, :, length:].zero_()
         self._expose()
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._keys_t, self._values
 
     def _expose(self) -> None:
         self.keys = self._keys_t[..., : self.length].transpose(-1, -2)
@@ -138,20 +144,23 @@ class ModelRunner:
         """Forget the spare working cache (the next hit gathers from the blocks)."""
         self._spare = None
 
-    def _take_spare(self, hit_hashes: Sequence[BlockHash]) -> SequenceState | None:
+    def _take_spare(
+        self, hit_hashes: Sequence[BlockHash]
+    ) -> tuple[SequenceState | None, SequenceState | None]:
+        """(the spare as this request's state, or None; else the spare as scratch)."""
         spare, self._spare = self._spare, None
-        if spare is None or not hit_hashes:
-            return None
+        if spare is None:
+            return None, None
         hashes, state = spare
         n = len(hit_hashes)
-        if len(hashes) < n or hashes[n - 1] != hit_hashes[-1]:
-            return None
+        if n == 0 or len(hashes) < n or hashes[n - 1] != hit_hashes[-1]:
+            return None, state
         num_cached = n * self.storage.layout.block_size
         for i in range(self.num_layers):
             state.layer(i).truncate(num_cached)
         state.num_computed = num_cached
         self.num_spare_reuses += 1
-        return state
+        return state, None
 
     @torch.inference_mode()
     def prefill(
@@ -172,9 +181,9 @@ class ModelRunner:
         bs = self.storage.layout.block_size
         assert num_cached % bs == 0 and num_cached < len(token_ids), (num_cached, len(token_ids))
         assert not hit_hashes or len(hit_hashes) * bs == num_cached
-        state = self._take_spare(hit_hashes) if num_cached else None
+        state, scratch = self._take_spare(hit_hashes)
         if state is None:
-            cache = self._gather(block_ids[: num_cached // bs], num_cached, capacity)
+            cache = self._gather(block_ids[: num_cached // bs], num_cached, capacity, scratch)
             state = SequenceState(cache, num_cached)
         logits = self._forward(state, token_ids[num_cached:], block_ids)
         return state, logits
@@ -184,19 +193,32 @@ class ModelRunner:
         """Run one token at position ``state.num_computed``; returns its float32 logits."""
         return self._forward(state, [token_id], block_ids)
 
-    def _gather(self, hit_block_ids: Sequence[int], num_cached: int, capacity: int) -> DynamicCache:
+    def _gather(
+        self,
+        hit_block_ids: Sequence[int],
+        num_cached: int,
+        capacity: int,
+        scratch: SequenceState | None,
+    ) -> DynamicCache:
+        """A new working cache holding the hit blocks' K/V. Recycles ``scratch``'s
+        buffers when they are large enough: fresh memory costs a page fault per 4 KiB."""
         layout = self.storage.layout
         cap = padded_length(max(capacity, num_cached + 1))
         ids = torch.tensor(hit_block_ids, dtype=torch.long)
         layers: list[Any] = []
         for i in range(self.num_layers):
-            keys_t = torch.empty((1, layout.kv_heads, layout.head_dim, cap), dtype=layout.dtype)
-            values = torch.empty((1, layout.kv_heads, cap, layout.head_dim), dtype=layout.dtype)
+            recycled = scratch.layer(i).buffers() if scratch is not None else None
+            if recycled is not None and recycled[1].shape[-2] >= cap:
+                keys_t, values = recycled
+            else:
+                keys_t = torch.empty((1, layout.kv_heads, layout.head_dim, cap), dtype=layout.dtype)
+                values = torch.empty((1, layout.kv_heads, cap, layout.head_dim), dtype=layout.dtype)
+                recycled = None
             if num_cached:
                 self.storage.read_blocks_into(
                     i, ids, keys_t[0, :, :, :num_cached].transpose(-1, -2), values[0, :, :num_cached]
                 )
-            layers.append(_WorkingLayer(keys_t, values, num_cached))
+            layers.append(_WorkingLayer(keys_t, values, num_cached, fresh=recycled is None))
         cache = DynamicCache()
         cache.layers = layers
         cache.layer_class_to_replicate = None
