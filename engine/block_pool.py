@@ -58,6 +58,10 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s hash now (its contents are not to be reused); counts as an eviction."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         if h is None:

@@ -120,12 +120,5 @@ class EngineRequest:
 
     def forget_unwritten_blocks(self) -> None:
         """After a failed forward: drop the hashes of blocks whose K/V were never written."""
-        kvm = self.engine.kv_cache_manager
         written = self.state.num_computed if self.state is not None else self.num_cached_tokens
-        blocks = kvm.req_to_blocks.get(self.request_id, [])
-        for block in blocks[written // self.engine.block_size :]:
-            if block.block_hash is not None and block.ref_cnt == 1:
-                kvm.block_pool._evict(block)
-        kvm.num_cached_blocks[self.request_id] = min(
-            kvm.num_cached_blocks.get(self.request_id, 0), written // self.engine.block_size
-        )
+        self.engine.kv_cache_manager.uncache_unwritten_blocks(self.request_id, written)

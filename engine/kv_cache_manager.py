@@ -194,6 +194,20 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(blocks[::-1])
 
+    def uncache_unwritten_blocks(self, request_id: str, num_written_tokens: int) -> None:
+        """After a failed forward: forget the hashes of the request's blocks past its
+        first ``num_written_tokens // block_size``, whose K/V were never written, so
+        no later request can hit garbage. Blocks another request also holds keep
+        their hash (that request computed them). The blocks stay in the table."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        keep = num_written_tokens // self.block_size
+        for block in blocks[keep:]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self.block_pool.uncache(block)
+        self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], keep)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes. Refused (returns False) while any block is in use."""
         if not self.block_pool.reset_prefix_cache():

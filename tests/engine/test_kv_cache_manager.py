@@ -373,3 +373,20 @@ def test_check_integrity_detects_corruption():
     m.req_to_slots["a"] = 20
     with pytest.raises(AssertionError, match="slots"):
         m.check_integrity()
+
+
+def test_uncache_unwritten_blocks_after_a_failed_forward():
+    h = Harness(10, 4)
+    a = Request("a", toks(0, 13))
+    h.schedule(a)  # blocks 0..2 cached at allocation, 3 partial
+    shared = Request("s", toks(0, 5))
+    h.schedule(shared)  # holds block 0 too
+    h.m.uncache_unwritten_blocks("a", 0)  # the forward failed before writing anything
+    h.m.check_integrity()
+    blocks = h.m.block_pool.blocks
+    assert blocks[0].block_hash is not None  # another request holds it: kept
+    assert blocks[1].block_hash is None and blocks[2].block_hash is None
+    h.free(a)
+    assert h.hit_tokens(Request("b", toks(0, 13))) == 4
+    h.m.uncache_unwritten_blocks("gone", 0)  # unknown request: nothing to do
+    h.m.check_integrity()
