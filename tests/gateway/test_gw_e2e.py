@@ -189,7 +189,7 @@ def test_cache_stats_endpoint(server):
 
 def test_readme_snippet_shows_cached_tokens_on_the_second_call(server):
     """Runs the README's SDK example as written (only the URL and key swapped)."""
-    snippet = (Path(__file__).resolve().parents[2] / "docs" / "readme-snippet.md").read_text()
+    snippet = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", snippet, re.S).group(1)
     code = code.replace("http://127.0.0.1:8000/v1", server[0] + "/v1").replace("my-local-key", KEYS["readme"])
     out = io.StringIO()
