@@ -182,14 +182,18 @@ def _template_source(tokenizer: Any) -> str:
 
 def _inline_tools(conversation: list[dict[str, Any]],
                   tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Write tools and tool calls into the text, for templates that ignore them."""
-    block = "\n".join([TOOLS_HEADER, *(json.dumps(t, ensure_ascii=False) for t in tools)])
+    """Write tools and tool calls into the text, for templates that ignore them.
+
+    Keys are sorted, as Jinja's ``tojson`` does in templates that render tools, so the
+    same tools sent with another key order give the same prompt; tool order is kept.
+    """
+    block = "\n".join([TOOLS_HEADER, *(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)])
     out = [dict(m) for m in conversation]
     for message in out:
         calls = message.pop("tool_calls", None)
         if calls is not None:
             joiner = PART_JOIN if message["content"] else ""
-            message["content"] += joiner + json.dumps(calls, ensure_ascii=False)
+            message["content"] += joiner + json.dumps(calls, ensure_ascii=False, sort_keys=True)
     if out and out[0]["role"] == "system":
         joiner = PART_JOIN + PART_JOIN if out[0]["content"] else ""
         out[0]["content"] += joiner + block

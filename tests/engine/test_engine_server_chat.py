@@ -7,6 +7,7 @@ tokenizer is exercised through the HTTP tests.
 
 import base64
 import hashlib
+import json
 import re
 
 import jinja2
@@ -146,6 +147,26 @@ def test_inlined_tools_change_the_prompt_and_their_order_matters():
     assert forward == again
     assert forward != plain and forward != backward
     assert tok.calls[1]["conversation"][0]["role"] == "system"  # a new system message
+
+
+def test_inlined_tools_and_tool_calls_ignore_json_key_order():
+    def reorder(obj):
+        if isinstance(obj, dict):
+            return {k: reorder(obj[k]) for k in reversed(list(obj))}
+        if isinstance(obj, list):
+            return [reorder(v) for v in obj]
+        return obj
+
+    tok = FakeTokenizer(PLAIN_TEMPLATE)
+    renderer = ChatRenderer(tok)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    reordered = [messages[0], {**messages[1], "tool_calls": [reorder(call)]}]
+    assert json.dumps(reorder(TOOLS)) != json.dumps(TOOLS)  # the key order really differs
+    assert renderer.render(messages, TOOLS).token_ids == renderer.render(reordered, reorder(TOOLS)).token_ids
 
 
 @pytest.mark.parametrize(
