@@ -68,6 +68,8 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str 
     from gateway.app import create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO; the access log already covers them.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     database.upgrade(settings.db_url)
     if settings.open_mode:
         log.warning(
