@@ -48,7 +48,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_slots: dict[str, int] = {}
         self.num_cached_blocks: dict[str, int] = {}
