@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -126,6 +127,24 @@ async def gateway_client(settings: GatewaySettings, upstream_transport: httpx.As
     finally:
         await app.state.gateway.aclose()
         await upstream_client.aclose()
+
+
+def wait_healthy(
+    url: str, process: subprocess.Popen, *, name: str, timeout: float = 60.0, interval: float = 0.1
+) -> None:
+    """Poll ``url``/health until it answers 200; fail if ``process`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, (
+            process.stderr.read() if process.stderr else f"{name} exited during start-up"
+        )
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{name} did not become healthy"
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 
 import httpx
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread
+from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
 
 from gateway.api_key import hash_key
 from gateway.config import parse_config
@@ -46,19 +45,6 @@ def test_gateway_command_usage_errors(tmp_path):
     assert bad_config.returncode == 2 and "isolation" in bad_config.stderr
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, process.stderr.read() if process.stderr else "exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "gateway did not become healthy"
-        time.sleep(0.1)
-
-
 def test_gateway_process_serves_and_flushes_every_row_on_sigint(tmp_path):
     upstream = FakeUpstream()
     port = free_port()
@@ -69,7 +55,7 @@ def test_gateway_process_serves_and_flushes_every_row_on_sigint(tmp_path):
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, process)
+            wait_healthy(url, process, name="gateway")
             with httpx.Client(base_url=url, headers={"authorization": "Bearer me"}) as client:
                 for i in range(25):
                     body = {"model": "fake-model", "messages": [{"role": "user", "content": f"q{i}"}]}

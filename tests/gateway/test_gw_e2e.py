@@ -11,13 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, rows
+from gw_fakes import free_port, rows, wait_healthy
 
 from gateway.api_key import hash_key
 from gateway.database import default_db_url
@@ -75,16 +74,7 @@ def server(tmp_path_factory):
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        assert process.poll() is None, "prefixgate serve exited during start-up"
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "prefixgate serve did not become healthy"
-        time.sleep(0.5)
+    wait_healthy(url, process, name="prefixgate serve", timeout=900, interval=0.5)
     yield url, data
     process.send_signal(signal.SIGINT)
     try:
