@@ -57,7 +57,9 @@ class GatewayState:
         self.settings = settings
         self.owns_client = client is None
         self.client = client or default_client(settings)
-        self.upstream = Upstream(settings.upstream, self.client)
+        self.upstream = Upstream(
+            settings.upstream, self.client, kind=settings.upstream_kind, api_key=settings.upstream_api_key
+        )
         self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)

@@ -1,10 +1,9 @@
 """The stats database: SQLAlchemy engine setup and Alembic migrations.
 
 SQLite databases run in WAL mode (readers never block the writer) with
-``synchronous=NORMAL``. The schema is owned by Alembic (``migrations/`` at the
-repository root, found next to the ``gateway`` package: the editable install of
-the Makefile and the Dockerfile both keep the source tree; ``PREFIXGATE_MIGRATIONS``
-overrides the location).
+``synchronous=NORMAL``. The schema is owned by Alembic (``gateway/migrations/``,
+package data that the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the
+location).
 """
 
 from __future__ import annotations
@@ -45,11 +44,11 @@ def create_db_engine(url: str) -> Engine:
 
 def migrations_dir() -> Path:
     override = os.environ.get(MIGRATIONS_ENV)
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "migrations"
+    path = Path(override) if override else Path(__file__).resolve().parent / "migrations"
     if not (path / "env.py").is_file():
         raise RuntimeError(
-            f"Alembic migrations not found at {path}: install prefixgate from its source tree "
-            f"(pip install -e .) or set {MIGRATIONS_ENV}"
+            f"Alembic migrations not found at {path}: reinstall prefixgate "
+            f"(the wheel carries them) or set {MIGRATIONS_ENV}"
         )
     return path
 

@@ -31,10 +31,10 @@ from gateway.prefix_warner import CONVERSATION_HEADER, PrefixWarner, PrefixWarni
 from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
-from gateway.salt import derive_cache_salt
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
 from gateway.upstream import Upstream
+from gateway.upstream_kind import scoped_body
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +137,9 @@ class Proxy:
     def _upstream_body(
         self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, stream: bool
     ) -> tuple[dict[str, Any], bool]:
-        """The body sent upstream (server-side salt; usage asked for when streaming),
+        """The body sent upstream (server-side salt or cache key; usage asked for when streaming),
         and whether the usage chunk must be stripped again for the client."""
-        upstream_body = dict(body)
-        salt = derive_cache_salt(self.secret, tenant.scope, client_salt)
-        if salt is not None:
-            upstream_body["cache_salt"] = salt
+        upstream_body = scoped_body(self.upstream.kind, body, self.secret, tenant.scope, client_salt)
         options = upstream_body.get("stream_options") or {}
         strip_usage = stream and not options.get("include_usage")
         if strip_usage:

@@ -10,7 +10,11 @@ from gateway.config import GatewayConfig
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """``config`` holds the tenants; ``open_mode`` is True when no config file was given."""
+    """``config`` holds the tenants; ``open_mode`` is True when no config file was given.
+
+    ``upstream_kind`` is one of :data:`gateway.upstream_kind.UPSTREAM_KINDS`;
+    ``upstream_api_key`` (never logged) is sent as a bearer token to the upstream.
+    """
 
     upstream: str
     secret: bytes
@@ -19,3 +23,5 @@ class GatewaySettings:
     open_mode: bool = True
     data_dir: Path = Path(".prefixgate")
     stats_batch_size: int = 256
+    upstream_kind: str = "vllm"
+    upstream_api_key: str | None = None

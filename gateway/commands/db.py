@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,36 @@ def resolve_db_url(args: argparse.Namespace) -> str:
     return str(args.db_url or default_db_url(args.data_dir or default_data_dir()))
 
 
+def open_existing(url: str) -> Any:
+    """A read-only SQLAlchemy engine on an existing stats database (never creates one).
+
+    ``ValueError`` (one line) when the SQLite file does not exist or holds no
+    ``request_log`` table; other backends are opened as they are.
+    """
+    from sqlalchemy import create_engine, inspect
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(str(parsed.database))
+        if not path.is_file():
+            raise ValueError(f"no stats database at {path} (check --data-dir / --db-url; the gateway creates it)")
+        url = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+    engine = create_engine(url)
+    try:
+        found = inspect(engine).has_table("request_log")
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise ValueError(f"cannot read the stats database {parsed!r}: {detail}") from None
+    if not found:
+        engine.dispose()
+        raise ValueError(f"{parsed!r} is not a prefixgate stats database (no request_log table; "
+                         f"'prefixgate db upgrade' creates one)")
+    return engine
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway import database
 
@@ -41,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         database.upgrade(url, args.revision or "head")
     elif args.action == "downgrade":
         if args.revision is None:
-            print("prefixgate db downgrade: give a revision (e.g. 'base' or '-1')")
+            print("prefixgate db downgrade: error: give a revision (e.g. 'base' or '-1')", file=sys.stderr)
             return 2
         database.downgrade(url, args.revision)
     print(f"{url}: revision {database.current_revision(url) or 'base (empty)'}")

@@ -8,9 +8,10 @@ from typing import Any
 
 from gateway.launcher import add_common_options
 
-EPILOG = """example:
+EPILOG = """examples:
   prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000
   # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
+  OPENAI_API_KEY=sk-... prefixgate gateway --upstream https://api.openai.com/v1 --upstream-kind openai
 """
 
 
@@ -24,17 +25,33 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--upstream", default=None, help="upstream base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument(
+        "--upstream-kind", choices=["vllm", "openai"], default=None,
+        help="vllm: send cache_salt (vLLM, SGLang, prefixgate engine); openai: send a derived "
+        "prompt_cache_key instead (OpenAI's API). Default: openai for api.openai.com, else vllm",
+    )
     add_common_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.ports import ensure_free
+    from gateway.upstream_kind import API_KEY_ENV, resolve_kind
 
     try:
+        ensure_free(args.host, args.port, "gateway")
         settings = build_settings(args, args.upstream)
+        kind = resolve_kind(args.upstream_kind or settings.config.upstream_kind, settings.upstream)
+        api_key = os.environ.get(API_KEY_ENV) or (os.environ.get("OPENAI_API_KEY") if kind == "openai" else None)
+        if kind == "openai" and not api_key:
+            raise ValueError(f"--upstream-kind openai needs an API key: set OPENAI_API_KEY or {API_KEY_ENV}")
     except ValueError as exc:
         return fail(str(exc))
+    settings = dataclasses.replace(settings, upstream_kind=kind, upstream_api_key=api_key)
     # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.
     with contextlib.suppress(KeyboardInterrupt):
         run_gateway(settings, args.host, args.port, args.log_level)

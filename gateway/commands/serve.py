@@ -46,9 +46,16 @@ def run(args: argparse.Namespace) -> int:
 
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.ports import ensure_free
 
     engine = EngineProcess(args.engine_port, args.engine_arg)
     try:
+        # Both ports before anything starts: a port taken by another engine would
+        # otherwise answer our health check, and the gateway would die later.
+        if args.engine_port == args.port:
+            raise ValueError(f"--engine-port and --port are both {args.port}: give them different ports")
+        ensure_free(args.host, args.port, "gateway")
+        ensure_free(engine.host, args.engine_port, "engine")
         settings = build_settings(args, engine.url)
     except ValueError as exc:
         return fail(str(exc))

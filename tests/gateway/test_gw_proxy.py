@@ -159,9 +159,13 @@ def test_auth_with_config(tmp_path, fake_upstream):
         return settings, missing, wrong, models_bad, models, stats_tenant, stats
 
     settings, missing, wrong, models_bad, models, stats_tenant, stats = run(go())
-    for response in (missing, wrong, models_bad, stats_tenant):
+    for response in (missing, wrong, models_bad):
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
+    # A valid tenant key on an admin endpoint: a permission error, not "invalid key".
+    assert stats_tenant.status_code == 403
+    assert stats_tenant.json()["error"]["type"] == "permission_error"
+    assert stats_tenant.json()["error"]["code"] == "admin_key_required"
     assert models.json()["data"][0]["id"] == "fake-model"
     body = stats.json()
     assert body["tenants"]["(unauthenticated)"]["requests"] == 2
