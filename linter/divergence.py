@@ -11,8 +11,9 @@ repeat, and names the cause at that point, in this order:
 5. a tool call's arguments differ only in key order or spacing -> PS203;
 6. otherwise the history was edited or truncated instead of appended -> PS204.
 
-What should be repeated: for a later turn of the same conversation (same
-``metadata.conversation_id``, or else the same first non-system message) everything up to the end of ``previous``'s last message; for
+What should be repeated: for a later turn of the same conversation (as
+:mod:`linter.conversation` defines it) everything up to the end of
+``previous``'s last message; for
 another request of the same family, the tools, ``tool_choice``,
 ``response_format`` and leading system/developer messages.
 """
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 from linter import chat_request
 from linter.canonical_json import canonical_text, parse_json, sort_keys, tool_names
+from linter.conversation import conversation_keys
 from linter.render import Rendered, Segment, render
 from linter.tokenizer import ApproxTokenizer, Tokenizer
 from linter.volatile import find_volatile
@@ -71,26 +73,14 @@ def common_prefix_len(a: T, b: T) -> int:
     return lo
 
 
-def first_turn(body: Mapping[str, Any]) -> Any:
-    """The first non-system/developer message (identifies a conversation), or None."""
-    for _, message in chat_request.messages(body):
-        if chat_request.role(message) not in chat_request.STATIC_ROLES:
-            return message
-    return None
-
-
-def _conversation_id(body: Mapping[str, Any]) -> str | None:
-    metadata = body.get("metadata")
-    value = metadata.get("conversation_id") if isinstance(metadata, (dict, Mapping)) else None
-    return value if isinstance(value, str) and value else None
-
-
 def is_same_conversation(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-    """Same ``metadata.conversation_id`` when both name one, else the same first non-system message."""
-    a, b = _conversation_id(previous), _conversation_id(current)
-    if a is not None and b is not None:
-        return a == b
-    return first_turn(previous) is not None and first_turn(previous) == first_turn(current)
+    """Whether ``current`` continues ``previous``'s conversation (:mod:`linter.conversation`)."""
+    a, b = conversation_keys(previous), conversation_keys(current)
+    if a is None or b is None:
+        return False
+    if a.explicit or b.explicit:
+        return a.explicit and b.explicit and a.remember == b.remember
+    return a.remember in b.lookup
 
 
 def _encode(rendered: Rendered, end: int, tokenizer: Tokenizer) -> list[int]:
@@ -164,10 +154,7 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     if later and cur_msgs[index] in later:
         dropped = later.index(cur_msgs[index]) + 1
         return "PS204", f"history truncated in the middle: {dropped} earlier message(s) dropped at messages[{index}]"
-    hint = ""
-    if _conversation_id(previous) is None and before is not None and chat_request.role(before) == "assistant":
-        hint = " (or another conversation with the same first message: set metadata.conversation_id or user)"
-    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to{hint}"
+    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to"
 
 
 def _args(call: Mapping[str, Any]) -> Any:
@@ -229,5 +216,5 @@ def compare(
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
     scope = "conversation" if same_conversation else "request family"
     needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
-    message = f"{why}; the {scope}'s shared prefix breaks here ({lost} tokens lost)"
+    message = f"{why}; the {scope}'s shared prefix breaks here"
     return Divergence(code, message, location, offset, lost, needle or None)

@@ -49,4 +49,5 @@ RULE = Rule(
     summary="A system or developer message that is not at the start",
     doc=__doc__ or "",
     check_request=check,
+    default=False,
 )

@@ -78,4 +78,5 @@ RULE = Rule(
     doc=__doc__ or "",
     check_request=check,
     fix=fix,
+    default=False,
 )

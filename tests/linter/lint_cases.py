@@ -38,10 +38,11 @@ def assert_request_case(code: str, case: dict) -> None:
 
 
 def assert_pair_case(code: str, case: dict) -> None:
-    found = [[f.code, f.location] for f in compare_requests(case["previous"], case["current"])]
+    same = case.get("same_conversation")
+    found = [[f.code, f.location] for f in compare_requests(case["previous"], case["current"], same_conversation=same)]
     expected = [case["expected"]] if case["expected"] else []
     assert found == expected
-    for finding in compare_requests(case["previous"], case["current"]):
+    for finding in compare_requests(case["previous"], case["current"], same_conversation=same):
         assert finding.tokens_lost is not None and finding.tokens_lost >= 0
 
 
