@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.replica_spec import (
+    ReplicaSpec,
+    RoutingOptions,
+    parse_routing_table,
+    parse_upstreams_table,
+)
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -75,6 +82,8 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    upstreams: tuple[ReplicaSpec, ...] = ()  # [[upstreams]]: several replicas (gateway/replica_spec.py)
+    routing: RoutingOptions = field(default_factory=RoutingOptions)  # [routing]
 
 
 def parse_isolation(value: Any, where: str) -> str:
@@ -131,7 +140,7 @@ def parse_tenant(name: str, table: Any) -> tuple[Tenant, list[str]]:
 
 def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     """Build a :class:`GatewayConfig` from parsed TOML; ``ValueError`` names the bad field."""
-    unknown = set(data) - {"server", "tenants"}
+    unknown = set(data) - {"server", "tenants", "upstreams", "routing"}
     if unknown:
         raise ValueError(f"unknown top-level table(s) {sorted(unknown)!r}")
     server = data.get("server", {})
@@ -164,6 +173,8 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         max_body_bytes=int(_number(server, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "server")),
         upstream_timeout_s=_number(server, "upstream_timeout_s", 600.0, "server"),
         connect_timeout_s=_number(server, "connect_timeout_s", 5.0, "server"),
+        upstreams=parse_upstreams_table(data["upstreams"]) if "upstreams" in data else (),
+        routing=parse_routing_table(data.get("routing", {})),
     )
 
 

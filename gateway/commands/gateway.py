@@ -7,9 +7,12 @@ import contextlib
 from typing import Any
 
 from gateway.launcher import add_common_options
+from gateway.replica_spec import add_routing_options
 
 EPILOG = """example:
   prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000
+  prefixgate gateway --upstream http://127.0.0.1:8001,events=tcp://127.0.0.1:5557 \
+                     --upstream http://127.0.0.1:8002,events=tcp://127.0.0.1:5567   # see docs/routing.md
   # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
 """
 
@@ -23,16 +26,21 @@ def add_parser(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--upstream", default=None, help="upstream base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--upstream", action="append", default=[],
+                        help="upstream base URL, e.g. http://127.0.0.1:8001; repeat it for several replicas, "
+                        "optionally with ,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT]")
     add_common_options(parser)
+    add_routing_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.replica_spec import parse_upstream_arg
 
     try:
-        settings = build_settings(args, args.upstream)
+        replicas = [parse_upstream_arg(value, i) for i, value in enumerate(args.upstream)]
+        settings = build_settings(args, None, replicas)
     except ValueError as exc:
         return fail(str(exc))
     # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.
