@@ -92,7 +92,7 @@ def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = Non
     async def models(request: Request) -> Response:
         try:
             state.authenticator.tenant_for(request.headers.get("authorization"))
-            return _json(await state.replicas.primary.get("/v1/models"))
+            return _json(await state.replicas.get("/v1/models"))
         except GatewayError as error:
             return error_response(error)
 

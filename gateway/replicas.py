@@ -206,6 +206,18 @@ class ReplicaSet:
         """The first healthy replica's upstream (for ``/v1/models``)."""
         return next((r.upstream for r in self.replicas if r.healthy), self.replicas[0].upstream)
 
+    async def get(self, path: str) -> dict[str, Any]:
+        """GET a JSON object from the first replica that can be reached (healthy ones first)."""
+        ordered = sorted(self.replicas, key=lambda r: not r.healthy)
+        for replica in ordered:
+            try:
+                return await replica.upstream.get(path)
+            except UpstreamUnreachable:
+                replica.set_healthy(False)
+                if replica is ordered[-1]:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def route(self, record: RequestRecord, body: dict[str, Any]) -> Route:
         """The route of one request whose upstream body (salt included) is ``body``."""
         keys = None
