@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid engine settings: %s", exc)
         return 2
 
-    from engine.llm_engine import LLMEngine
-    from engine.server import run_server
+    from engine.core.llm_engine import LLMEngine
+    from engine.server.app import run_server
 
     try:
         engine = LLMEngine.from_config(config)
