@@ -16,6 +16,13 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_time_to_first_token_seconds``: histogram, request arrival to
   the first generated token;
 * ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests.
+
+The same figures under vLLM's names (labels ``model_name`` and ``engine="0"``, as
+vLLM v1 exposes them), so dashboards built for vLLM work unchanged:
+
+* ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: tokens;
+* ``vllm:kv_cache_usage_perc``: fraction of KV blocks held by requests (0 to 1);
+* ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 PREFIX = "prefixgate_engine"
+VLLM_LABELS = ["model_name", "engine"]
+VLLM_ENGINE_INDEX = "0"  # one engine core per server, as vLLM labels its first
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0, 20.0, 40.0, 80.0)
 
@@ -56,6 +65,23 @@ class _EngineCollector(Collector):
         yield _gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.num_blocks, labels)
         yield _gauge("requests_running", "Requests running in the engine.", stats.num_running, labels)
         yield _gauge("requests_waiting", "Requests waiting for admission.", stats.num_waiting, labels)
+        yield from self._vllm_named(stats)
+
+    def _vllm_named(self, stats: Any) -> Iterator[Metric]:
+        labels = [self.model_name, VLLM_ENGINE_INDEX]
+        usage = stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        for name, doc, value, family_type in (
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries, CounterMetricFamily),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits, CounterMetricFamily),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, GaugeMetricFamily),
+            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running,
+             GaugeMetricFamily),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting,
+             GaugeMetricFamily),
+        ):
+            family = family_type(f"vllm:{name}", doc, labels=VLLM_LABELS)
+            family.add_metric(labels, value)
+            yield family
 
 
 def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:

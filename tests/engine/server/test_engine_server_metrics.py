@@ -74,3 +74,26 @@ def test_two_apps_in_one_process_have_separate_registries():
     assert samples(a.render().decode())["prefixgate_engine_time_to_first_token_seconds_count"] == 1
     assert samples(b.render().decode())["prefixgate_engine_time_to_first_token_seconds_count"] == 0
     assert samples(b.render().decode())["prefixgate_engine_kv_blocks_total"] == 8
+
+
+def test_vllm_names_alongside_our_own():
+    """vLLM v1's series for the prefix cache and KV usage, from the same figures."""
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    metrics = EngineMetrics(holder(kv, running=1, waiting=0), "m")
+    first = Request("a", list(range(12)), block_size=4)
+    blocks, computed = kv.get_computed_blocks(first)
+    kv.allocate_slots(first, 12 - computed, computed, blocks)
+    kv.free(first)
+    second = Request("b", list(range(12)), block_size=4)
+    blocks, computed = kv.get_computed_blocks(second)
+    kv.allocate_slots(second, 12 - computed, computed, blocks)
+
+    text = metrics.render().decode()
+    got = samples(text)
+    assert got["vllm:prefix_cache_queries_total,engine=0"] == got["prefixgate_engine_prefix_cache_queries_tokens_total"]
+    assert got["vllm:prefix_cache_hits_total,engine=0"] == kv.stats.hits == 8
+    assert got["vllm:kv_cache_usage_perc,engine=0"] == 0.3  # 3 of 10 blocks held by the running request
+    assert got["vllm:num_requests_running,engine=0"] == 1
+    assert got["vllm:num_requests_waiting,engine=0"] == 0
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 8.0' in text
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.3' in text
