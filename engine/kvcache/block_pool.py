@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from engine.kvcache.block_hash import BlockHash
+from engine.kvcache.block_hash import BlockHash, MultiModalItem
 from engine.kvcache.free_block_queue import FreeBlockQueue
 from engine.kvcache.kv_cache_block import KVCacheBlock
+
+
+class BlockEventSink(Protocol):
+    """Told what the pool caches, evicts and clears (``engine.server.kv_event_publisher``)."""
+
+    def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
+                      block_size: int, first_block: int, cache_salt: str | None, lora_id: str | int | None,
+                      mm_items: Sequence[MultiModalItem]) -> None: ...
+
+    def block_removed(self, block_hash: BlockHash) -> None: ...
+
+    def all_cleared(self) -> None: ...
 
 
 class BlockPool:
@@ -30,6 +43,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_evictions = 0
+        self.event_sink: BlockEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,6 +85,8 @@ class BlockPool:
             del self.cached[h]
         block.block_hash = None
         self.num_evictions += 1
+        if self.event_sink is not None:
+            self.event_sink.block_removed(h)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on hit blocks, pulling free ones out of the free queue."""
@@ -95,4 +111,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.event_sink is not None:
+            self.event_sink.all_cleared()
         return True

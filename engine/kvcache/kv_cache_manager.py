@@ -181,6 +181,12 @@ class KVCacheManager:
         for i in range(first, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[rid] = max(first, num_full)
+        sink = self.block_pool.event_sink
+        if sink is not None and num_full > first:
+            bs = self.block_size
+            sink.blocks_stored(request.block_hashes[first:num_full], request.block_hashes[first - 1] if first else None,
+                               request.all_token_ids[first * bs:num_full * bs], bs, first, request.cache_salt,
+                               request.lora_id, request.mm_items)
 
     def free(self, request: Request | str) -> None:
         """Release the request's blocks; those reaching ref count 0 join the free queue's
