@@ -29,6 +29,7 @@ from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import PrefixWarner
 from gateway.proxy import Proxy
+from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
 from gateway.stats_report import per_tenant
@@ -66,6 +67,7 @@ class GatewayState:
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
         self.metrics = GatewayMetrics()
+        self.metrics.registry.register(ReplicaCollector(self.replicas))
         self.proxy = Proxy(
             replicas=self.replicas,
             authenticator=self.authenticator,

@@ -135,6 +135,30 @@ def parse_routing_table(value: Any) -> RoutingOptions:
     )
 
 
+def local_replicas(count: int, engine_port: int, events_port: int) -> list[tuple[list[str], ReplicaSpec]]:
+    """``prefixgate serve --replicas N``: per replica, its extra engine arguments and its spec.
+
+    Replica ``i`` listens on ``engine_port + i`` and publishes KV events on
+    ``tcp://127.0.0.1:events_port + 2i`` (replay on the next port), loopback only.
+    """
+    import json
+
+    if count < 1:
+        raise ValueError(f"--replicas must be at least 1, got {count}")
+    out: list[tuple[list[str], ReplicaSpec]] = []
+    for i in range(count):
+        url = f"http://127.0.0.1:{engine_port + i}"
+        if count == 1:
+            out.append(([], make_spec(url, None, i)))
+            continue
+        events = f"tcp://127.0.0.1:{events_port + 2 * i}"
+        replay = f"tcp://127.0.0.1:{events_port + 2 * i + 1}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                  "replay_endpoint": replay, "topic": "kv-events"}
+        out.append((["--kv-events-config", json.dumps(config)], make_spec(url, None, i, events, replay, "kv-events")))
+    return out
+
+
 def add_routing_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                         help="model directory whose tokenizer.json and chat template the replicas use "
