@@ -57,6 +57,7 @@ class LintReport:
     all_findings: list[Finding] = field(default_factory=list)  # before the baseline
     gateway_log: list[TenantStats] | None = None  # from --db
     unrepaired: dict[str, tuple[int, int]] = field(default_factory=dict)  # code -> findings its fix does not repair
+    gained_elsewhere: dict[str, int] = field(default_factory=dict)  # code -> gain of its fix on requests without its finding
 
 
 def collect_paths(paths: Sequence[Path], config: LintConfig | None = None) -> tuple[list[Path], list[Path]]:
@@ -268,6 +269,10 @@ def _lint_paths(
     report = LintReport(findings, problems, result, rules, len(request_files) + len(source_files), all_findings=findings)
     if result is not None:
         report.unrepaired = unrepaired
+        with_finding = {(f.code, i) for f, i in pairs}
+        report.gained_elsewhere = {
+            g.code: sum(d for i, d in g.deltas.items() if (g.code, i) not in with_finding) for g in result.per_rule
+        }
     if baseline is not None:
         report.findings = filter_baseline(findings, load_baseline(baseline))
         report.baselined = len(findings) - len(report.findings)

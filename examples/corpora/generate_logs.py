@@ -90,6 +90,7 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
     """A multi-turn support chat with one and then two parallel tool calls; ``breaks`` plants failures."""
     b = breaks or {}
     rng = log.rng
+    explicit = ids != "none"  # the turns of a chat without an id are tied only by extension
     user = f"cust_{4100 + n}"
     extra: dict[str, Any] = {"user": user}
     if ids == "metadata":
@@ -125,9 +126,9 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         if b.get("shuffle_tools") and t == b["shuffle_tools"]:
             tools = [START_RETURN, GET_ORDER, SEARCH_KB]
             expect.append("PS202")
-        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1:
+        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1 and explicit:
             expect.append("PS202")  # back to the usual order: it no longer extends the turn before
-        if b.get("reordered_schema") and t == b["reordered_schema"] + 1:
+        if b.get("reordered_schema") and t == b["reordered_schema"] + 1 and explicit:
             expect.append("PS203")
         if b.get("reordered_schema") and t == b["reordered_schema"]:
             tools = [GET_ORDER, {"type": "function", "function": {"name": "search_kb", "description": "Search the help-center articles.", "parameters": {"properties": {"query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 5}}, "type": "object", "required": ["query"]}}}, START_RETURN]
@@ -135,23 +136,25 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         sent = history
         if b.get("window") and t == 2:
             sent = history[3:]  # prefixgate: noqa: PS305 (the planted sliding window of this corpus)
-            expect.append("PS204")
+            if explicit:  # without an id, a rewritten history is another conversation: nothing to compare
+                expect.append("PS204")
         if b.get("reserialize") and t == 2:
             sent = [dict(m) for m in history]
             sent[1] = {**sent[1], "tool_calls": [{**sent[1]["tool_calls"][0], "function": {"name": "get_order", "arguments": json.dumps({"order_id": f"LK-10{n}"}, indent=1)}}]}
-            expect.append("PS203")
+            if explicit:
+                expect.append("PS203")
         if b.get("reorder_results") and t == 2:
             sent = [*history[:-5], history[-4], history[-5], *history[-3:]]
         body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": sys_text}, *sent], "tools": tools, "tool_choice": "auto", **extra}
         if b.get("tool_choice") and t == b["tool_choice"]:
             body["tool_choice"] = {"type": "function", "function": {"name": "start_return"}}
             expect.append("PS205")
-        if b.get("tool_choice") and t == b["tool_choice"] + 1:
+        if b.get("tool_choice") and t == b["tool_choice"] + 1 and explicit:
             expect.append("PS205")
         if b.get("request_id_in_tools"):
             body["tools"] = [*tools[:2], {"type": "function", "function": {**START_RETURN["function"], "description": f"Open a return (trace {rng.getrandbits(64):016x})."}}]
             # The first turn differs from the application's usual tool in more than the value: a changed definition.
-            expect.append("PS201" if t else "PS202")
+            expect.append("PS201" if t and explicit else "PS202")
         log.add(body, expect)
         if b.get("retry") and t == 1:
             log.add(body)  # the SDK retried after a timeout: the same request again
@@ -227,8 +230,8 @@ def breaks() -> Log:
         {"tool_choice": 2}, {"reserialize": True}, {"request_id_in_tools": True}, {}, {"timestamp": True},
         {"shuffle_tools": 2}, {"window": True}, {"tool_choice": 1}, {}, {"reserialize": True},
     ]
-    for n, plan in enumerate(plans):
-        support_chat(log, 100 + n, system=SUPPORT, ids="metadata", breaks=plan)
+    for n, plan in enumerate(plans * 2):
+        support_chat(log, 100 + n, system=SUPPORT, ids=("metadata", "cache_key", "none")[n // len(plans) + n % 2], breaks=plan)
         hi_chat(log, n)
         extraction(log, n, image=n % 3 == 0, breaks={"email": f"billing+{n}@larkspur.example", "first": n == 1} if n % 4 == 1 else None)
         if n % 3 == 0:

@@ -57,6 +57,7 @@ def _per_rule(report: LintReport) -> list[dict[str, Any]]:
             row.update(hit_rate_after=None, tokens_gained=None, fix="does not apply" if gain is not None else "none")
         if gain is not None:
             row["not_repaired"] = {"findings": count, "tokens_lost": unrepaired_lost}
+            row["tokens_gained_without_finding"] = report.gained_elsewhere.get(code, 0)
         rows.append(row)
     return rows
 

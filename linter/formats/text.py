@@ -51,7 +51,12 @@ def _table(report: LintReport) -> list[str]:
     for code, lost in per_rule_losses(report).items():
         gain = gains.get(code)
         count, unrepaired = report.unrepaired.get(code, (0, 0))
-        note = f"  (the fix does not repair {count} finding(s) losing {unrepaired} tokens)" if count else ""
+        notes = []
+        if report.gained_elsewhere.get(code):
+            notes.append(f"{report.gained_elsewhere[code]:+} on requests without a finding")
+        if count:
+            notes.append(f"the fix does not repair {count} finding(s) losing {unrepaired} tokens")
+        note = f"  ({'; '.join(notes)})" if notes else ""
         if gain is not None and gain.applies:
             lines.append(
                 f"  {code + ' fixed':<22} {_pct(gain.hit_rate_after):>8} {gain.cached_tokens_after:>14} {gain.tokens_gained:>+10}{note}"
