@@ -248,6 +248,8 @@ def compare(
     code, why, seg = _classify(previous, current, pr, cr, offset)
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
+    if lost == 0:
+        return None  # inside the last partial block: nothing that could have been reused is lost
     scope = "conversation" if same_conversation else "request family"
     needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
     message = f"{why}; the {scope}'s shared prefix breaks here"

@@ -24,7 +24,7 @@ Sinks (where a value enters a request):
   constructors, ``response_format``;
 * history (PS305 only): ``messages`` keywords and names, attributes such as
   ``self.history``, returns of functions named for messages or history and of
-  methods of session/memory classes.
+  ``get_items``-style methods of session/memory classes.
 
 This is a lint, not a proof: values are not followed into other modules or
 through parameters of module functions, and a branch's assignment replaces the
@@ -54,6 +54,7 @@ _TOOLS_NAME = re.compile(r"(?i)^_*(tools|functions|tool_?specs?|tool_?schemas?|t
 _HISTORY_NAME = re.compile(r"(?i)(^|_)(messages|msgs|history|transcript|turns)$")
 _SEQUENCE_OF_TURNS = re.compile(r"(?i)(messages|msgs|history|turns|transcript|items|conversation|chat|memory|session|window|entries|events)$")
 _HISTORY_FUNCTION = re.compile(r"(?i)(messages|history|transcript|context_window|window)")
+_HISTORY_METHOD = re.compile(r"(?i)^(get|load|fetch|read)_?(items|messages|history|turns|entries|context)")
 _SESSION_CLASS = re.compile(r"(?i)(session|memory|history|conversation|chat)")
 _PROMPT_DECORATOR = re.compile(r"(?i)(system_prompt|instructions|system_message)$")
 _USER_NAME = re.compile(r"(?i)(^|_|\.)(user|customer|account|tenant|member|email|profile|username)(_|$|\.|s$)")
@@ -344,6 +345,7 @@ class _Module:
 
     def _statement(self, node: ast.stmt, env: dict[str, Flow], fn: ast.FunctionDef | ast.AsyncFunctionDef | None, loop: Flow) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            self._sinks(node, env, fn)  # decorators, e.g. @agent.tool(description=...)
             if isinstance(node, ast.ClassDef):
                 self._body(node.body, dict(env), None)  # class attributes: sinks by name
             return
@@ -459,7 +461,7 @@ class _Module:
         if isinstance(statement, ast.Return) and statement.value is not None and fn is not None:
             if fn.name in self.prompt_functions:
                 yield "instructions", statement.value
-            if _HISTORY_FUNCTION.search(fn.name) or (_SESSION_CLASS.search(self.owner.get(fn, "")) and not fn.name.startswith("_")):
+            if _HISTORY_FUNCTION.search(fn.name) or (_SESSION_CLASS.search(self.owner.get(fn, "")) and _HISTORY_METHOD.search(fn.name)):
                 yield "history", statement.value
         if isinstance(statement, ast.Assign | ast.AnnAssign) and statement.value is not None:
             for name in pa.assigned_names(statement):

@@ -20,7 +20,7 @@ Default rule. Detected: a slice whose start is negative or computed
 (``[-10:]``, ``[-limit:]``, ``[len(x) - n:]``; a fixed start such as ``[1:]`` is
 stable) whose result reaches a request's history: a ``messages=`` argument, a
 ``messages``/``history`` variable or attribute, the return of a function named
-for messages or history or of a session/memory class's method; and ``del``,
+for messages or history or of a session/memory class's ``get_items``-style method; and ``del``,
 ``pop(i)``, ``insert`` and ``remove`` on a history list that is sent or stored.
 Slices in tests, analysis and display code that never reach a request are not
 reported.
