@@ -175,11 +175,11 @@ def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
     recursion and stops as soon as the limit is passed, so a hostile body costs one
     pass over its containers at most.
     """
-    level = [value] if isinstance(value, dict | list) else []
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
     for _ in range(limit):
         if not level:
             return False
-        children: list[object] = []
+        children: list[Any] = []
         for container in level:
             items = container.values() if isinstance(container, dict) else container
             children.extend(item for item in items if isinstance(item, dict | list))
