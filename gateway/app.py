@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.authenticator import Authenticator
+from gateway.dashboard import dashboard_route
 from gateway.database import create_db_engine
 from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
@@ -144,6 +145,7 @@ def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = Non
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cache/stats", cache_stats, methods=["GET"]),
+            dashboard_route(state),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
         lifespan=lifespan,

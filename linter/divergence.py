@@ -124,6 +124,8 @@ def _tools_cause(previous: Mapping[str, Any], current: Mapping[str, Any], locati
             if sort_keys(raw_a[i]) == sort_keys(raw_b[i]):
                 return "PS203", f"tools[{i}] has the same content but a different JSON key order"
             name = chat_request.tool_name(raw_a[i]) if isinstance(raw_a[i], (dict, Mapping)) else ""
+            if _whitespace_only(raw_a[i], raw_b[i]):
+                return "PS202", f"definition of tool {name or i!r} changed only in whitespace (normalize it, see PS106)"
             return "PS202", f"definition of tool {name or i!r} changed"
     return "PS202", "tool definitions changed"
 
@@ -140,6 +142,8 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     before = _message(previous, index)
     after = _message(current, index)
     if before is not None and chat_request.role(before) in chat_request.STATIC_ROLES:
+        if after is not None and _whitespace_only(chat_request.content_text(before), chat_request.content_text(after)):
+            return "PS206", f"system/developer message messages[{index}] changed only in whitespace (normalize it, see PS106)"
         return "PS206", f"system/developer message messages[{index}] changed"
     if seg.kind == "tool_call" and before is not None and after is not None:
         calls_a, calls_b = chat_request.tool_calls(before), chat_request.tool_calls(after)
@@ -150,11 +154,41 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     assert isinstance(prev_msgs, list) and isinstance(cur_msgs, list)
     if index >= len(cur_msgs):
         return "PS204", f"history truncated: the earlier request had messages[{index}], this one stops before it"
-    later = prev_msgs[index + 1 :]  # prefixgate: noqa: PS305 (analysis, not prompt building)
+    if isinstance(cur_msgs[index], Mapping) and cur_msgs[index].get("role") == "tool":
+        run_a, run_b = _tool_run(prev_msgs, index), _tool_run(cur_msgs, index)
+        if run_a != run_b and sorted(map(canonical_text, run_a)) == sorted(map(canonical_text, run_b)):
+            return "PS204", f"tool results reordered at messages[{index}] (append them in tool_calls order, see PS105)"
+    later = prev_msgs[index + 1 :]
     if later and cur_msgs[index] in later:
         dropped = later.index(cur_msgs[index]) + 1
         return "PS204", f"history truncated in the middle: {dropped} earlier message(s) dropped at messages[{index}]"
     return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to"
+
+
+def _whitespace_only(a: Any, b: Any) -> bool:
+    """Whether two texts (or JSON values) differ only in whitespace inside strings."""
+
+    def squash(value: Any) -> Any:
+        if isinstance(value, str):
+            return " ".join(value.split())
+        if isinstance(value, Mapping):
+            return {k: squash(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [squash(v) for v in value]
+        return value
+
+    return a != b and squash(a) == squash(b)
+
+
+def _tool_run(messages: list[Any], index: int) -> list[Any]:
+    """The consecutive tool messages around ``index`` (the results of one parallel call)."""
+    start = index
+    while start > 0 and isinstance(messages[start - 1], Mapping) and messages[start - 1].get("role") == "tool":
+        start -= 1
+    end = index
+    while end < len(messages) and isinstance(messages[end], Mapping) and messages[end].get("role") == "tool":
+        end += 1
+    return messages[start:end]
 
 
 def _args(call: Mapping[str, Any]) -> Any:

@@ -2,7 +2,9 @@
 
 A **family** is the requests that should share the static prefix: the same model
 and the same leading system/developer instructions once volatile values are
-masked (so requests that differ only by a timestamp still group together). A
+masked, and user data (emails, phone numbers, labelled user fields) too (so
+requests that differ only by a timestamp or a user's name still group together,
+and the difference is reported as PS201 or PS206 where it costs). A
 **conversation** is defined once, in :mod:`linter.conversation` (the gateway uses
 the same definition): an explicit id (``metadata.conversation_id``,
 ``prompt_cache_key``), or else a later request whose messages extend an earlier
@@ -27,6 +29,7 @@ from linter import chat_request
 from linter.conversation import conversation_keys
 from linter.divergence import DEFAULT_BLOCK_SIZE, Divergence, compare
 from linter.render import Rendered, render
+from linter.rules.ps102 import mask_user_data
 from linter.tokenizer import Tokenizer
 from linter.volatile import mask_volatile_cached
 
@@ -36,7 +39,7 @@ def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashab
     for _, message in chat_request.messages(body):
         if chat_request.role(message) not in chat_request.STATIC_ROLES:
             break
-        instructions.append(mask_volatile_cached(chat_request.content_text(message), tuple(allowlist)))
+        instructions.append(mask_user_data(mask_volatile_cached(chat_request.content_text(message), tuple(allowlist))))
     return (str(body.get("model")), tuple(instructions))
 
 
