@@ -5,7 +5,7 @@ nesting depth, the ``model``/``stream``/``messages``/``prompt`` shapes,
 ``cache_salt``, and the types of the fields it canonicalizes); every other field
 is passed through for the upstream to judge.
 
-Depth: a body nested more than :data:`engine.protocol.MAX_JSON_DEPTH` (128)
+Depth: a body nested more than :data:`engine.server.protocol.MAX_JSON_DEPTH` (128)
 levels is a 400 ``json_too_deep`` naming the field, the same rule the engine
 applies. It keeps every later step total: orjson refuses to encode more than 254
 levels (re-encoding the body, canonicalizing tools), Python's ``json`` and Jinja
@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from engine.protocol import MAX_JSON_DEPTH, too_deep_field
+from engine.server.protocol import MAX_JSON_DEPTH, too_deep_field
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
 from gateway.salt import MAX_CLIENT_SALT_CHARS
 
