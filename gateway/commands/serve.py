@@ -18,7 +18,8 @@ def add_parser(subparsers: Any) -> None:
         "serve",
         help="start the bundled engine and the gateway in front of it",
         description="Start 'prefixgate engine' as a child process, wait until it is healthy, "
-        "then run the gateway in front of it. Ctrl-C stops both.",
+        "then run the gateway in front of it. Ctrl-C stops both. The engine answers only the "
+        "gateway: it gets a random API key for this run, which only the gateway is given.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -40,6 +41,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
     import os
     import signal
@@ -48,15 +50,16 @@ def run(args: argparse.Namespace) -> int:
     from gateway.launcher import build_settings, fail, run_gateway
     from gateway.ports import ensure_free
 
-    engine = EngineProcess(args.engine_port, args.engine_arg)
     try:
+        engine = EngineProcess(args.engine_port, args.engine_arg)
         # Both ports before anything starts: a port taken by another engine would
         # otherwise answer our health check, and the gateway would die later.
         if args.engine_port == args.port:
             raise ValueError(f"--engine-port and --port are both {args.port}: give them different ports")
         ensure_free(args.host, args.port, "gateway")
         ensure_free(engine.host, args.engine_port, "engine")
-        settings = build_settings(args, engine.url)
+        # The engine gets a random per-run key; only the gateway holds it (engine_process.py).
+        settings = dataclasses.replace(build_settings(args, engine.url), upstream_api_key=engine.api_key)
     except ValueError as exc:
         return fail(str(exc))
     log = logging.getLogger("prefixgate.serve")
