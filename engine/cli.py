@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from engine.config import (
@@ -35,6 +36,8 @@ example:
 
 Without --model the bundled SmolLM2-135M-Instruct is served (converted once from its
 GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is used.
+With PREFIXGATE_ENGINE_API_KEY set (or --api-key), clients must send
+'Authorization: Bearer <key>' (the OpenAI SDK's api_key) on every route but /health.
 """
 
 
@@ -81,6 +84,10 @@ def add_parser(subparsers: Any) -> None:
                         help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health, like "
+                        "vLLM's --api-key (default: $PREFIXGATE_ENGINE_API_KEY; prefer it: a command "
+                        "line is visible to every local user)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"),
                         help="log level (default: info)")
@@ -110,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from engine.core.llm_engine import LLMEngine
+    from engine.server.api_key import API_KEY_ENV
     from engine.server.app import run_server
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None:
+        logger.warning("no --api-key: anyone who can reach %s:%d can use this engine", args.host, args.port)
 
     try:
         engine = LLMEngine.from_config(config)
@@ -130,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         publisher.start()
     engine.start()
     try:
-        run_server(engine, host=args.host, port=args.port,
+        run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    allow_remote_images=args.allow_remote_images, log_level=args.log_level)
     finally:
         engine.shutdown()

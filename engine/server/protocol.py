@@ -16,7 +16,11 @@ Rules (each enforced in exactly one place below):
   ``logprobs=false``, zero penalties, ...), never silently ignored; unknown
   extra fields are ignored, as vLLM does;
 * ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
-* ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set.
+* ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
+* JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
+  ``json_too_deep``) before anything walks it recursively: the chat template, the
+  tool renderer and JSON encoders would otherwise fail with a recursion error.
+  :func:`json_too_deep` is also the gateway's check, so both servers agree.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.kvcache.request import MAX_CACHE_SALT_CHARS
 from engine.server.errors import context_length_exceeded, invalid_param, unsupported_param
 
+MAX_JSON_DEPTH = 128
 MAX_STOP_STRINGS = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -163,9 +168,40 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
     )
 
 
+def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``value`` nests objects/arrays more than ``limit`` levels deep.
+
+    ``{}`` and ``[]`` are one level, a scalar zero. Walks level by level without
+    recursion and stops as soon as the limit is passed, so a hostile body costs one
+    pass over its containers at most.
+    """
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    for _ in range(limit):
+        if not level:
+            return False
+        children: list[Any] = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            children.extend(item for item in items if isinstance(item, dict | list))
+        level = children
+    return bool(level)
+
+
+def too_deep_field(body: dict[str, Any]) -> str | None:
+    """The first field of ``body`` that takes the body past :data:`MAX_JSON_DEPTH` levels."""
+    for name, value in body.items():
+        if json_too_deep(value, MAX_JSON_DEPTH - 1):
+            return str(name)
+    return None
+
+
 def _require_object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_param("The request body must be a JSON object.", None, "invalid_json")
+    field = too_deep_field(body)
+    if field is not None:
+        raise invalid_param(f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep.", field,
+                            "json_too_deep")
     return body
 
 

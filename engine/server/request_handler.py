@@ -139,6 +139,9 @@ class RequestHandler:
             return prepared, self.engine.submit(prepared.request)
         except ValueError as exc:  # user input refused below protocol.py, naming its value
             raise errors.invalid_param(str(exc), None) from exc
+        except RecursionError as exc:  # caused by the body's shape, not by the engine
+            raise errors.invalid_param("The request is nested too deeply to render.", None,
+                                       "json_too_deep") from exc
         except RuntimeError as exc:  # submit() after the engine shut down
             raise errors.engine_unavailable(str(exc)) from exc
 

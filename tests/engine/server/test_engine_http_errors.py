@@ -173,3 +173,36 @@ def test_a_client_leaving_mid_body_is_counted_as_a_client_error(live):
                      b"Content-Length: 1000\r\n\r\n{\"messages\": ")
     wait_until(lambda: client_errors() == 1, 30, "the abandoned upload to be counted")
     assert httpx.get(live.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("depth", [130, 254, 1000])
+def test_deeply_nested_tools_are_400_not_5xx(live, tiny_engine, depth):
+    """Tool parameters nested 1,000 deep used to fail rendering with a RecursionError (a 503)."""
+    parameters = b'{"a": ' * depth + b"1" + b"}" * depth  # raw: no Python encoder takes 1,000 levels
+    raw = (b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+           b'"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]}'
+           % (tiny_engine.model_id.encode(), parameters))
+    resp = httpx.post(live.api_url + "/chat/completions", content=raw)
+    assert resp.status_code == 400, resp.text
+    assert_error_shape(resp.json(), param="tools", code="json_too_deep")
+
+
+def test_deeply_nested_content_and_body_are_400(live, tiny_engine):
+    deep = b"[" * 300 + b"]" * 300
+    for path, raw in [
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep + b"}]}"),
+        ("/completions", b'{"prompt": "x", "metadata": ' + deep + b"}"),
+        ("/completions", b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}"),
+    ]:
+        resp = httpx.post(live.api_url + path, content=raw)
+        assert resp.status_code == 400, resp.text
+        assert_error_shape(resp.json())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-320])
+def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_engine, temperature):
+    greedy = client.chat.completions.create(model=tiny_engine.model_id, messages=MSG, max_tokens=4, temperature=0)
+    tiny = client.chat.completions.create(model=tiny_engine.model_id, messages=MSG, max_tokens=4,
+                                          temperature=temperature)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert tiny.choices[0].finish_reason in ("stop", "length")
