@@ -10,6 +10,7 @@ out, which also proves the gateway never needs torch.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with the freshly built wheel installed; returns its bin directory."""
     base = tmp_path_factory.mktemp("wheel")
+    # Build from a clean copy: a stale build/ directory in the checkout could otherwise
+    # smuggle files into the wheel that package-data no longer names.
+    source = base / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        source.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    for package in ("engine", "linter", "gateway"):
+        shutil.copytree(ROOT / package, source / package, ignore=ignore)
     pip = [sys.executable, "-m", "pip"]
     built = subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"), str(ROOT)],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert built.returncode == 0, built.stderr
