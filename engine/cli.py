@@ -65,6 +65,10 @@ def add_parser(subparsers: Any) -> None:
                         help="allow http(s) image URLs (default: only inline data: URLs)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="disable reuse of cached prompt prefixes")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"),
                         help="log level (default: info)")
@@ -83,12 +87,17 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         )
+        events_config = None
+        if args.kv_events_config is not None:
+            from engine.server.kv_event_publisher import KVEventsConfig
+
+            events_config = KVEventsConfig.from_json(args.kv_events_config)
     except ValueError as exc:
         logger.error("invalid engine settings: %s", exc)
         return 2
 
-    from engine.llm_engine import LLMEngine
-    from engine.server import run_server
+    from engine.core.llm_engine import LLMEngine
+    from engine.server.app import run_server
 
     try:
         engine = LLMEngine.from_config(config)
@@ -99,12 +108,21 @@ def run(args: argparse.Namespace) -> int:
     logger.info("serving %r: %d KV blocks of %d tokens (%d tokens of cache), max_model_len %d",
                 engine.model_id, kv.num_blocks, engine.block_size, kv.num_blocks * engine.block_size,
                 engine.max_model_len)
+    publisher = None
+    if events_config is not None and events_config.enabled:
+        from engine.server.kv_event_publisher import KvEventPublisher
+
+        publisher = KvEventPublisher(events_config)
+        kv.block_pool.event_sink = publisher.recorder
+        publisher.start()
     engine.start()
     try:
         run_server(engine, host=args.host, port=args.port,
                    allow_remote_images=args.allow_remote_images, log_level=args.log_level)
     finally:
         engine.shutdown()
+        if publisher is not None:
+            publisher.shutdown()
     return 0
 
 

@@ -29,10 +29,10 @@ from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import PrefixWarner
 from gateway.proxy import Proxy
+from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
 from gateway.stats_report import per_tenant
 from gateway.stats_writer import StatsWriter
-from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,16 @@ class GatewayState:
         self.settings = settings
         self.owns_client = client is None
         self.client = client or default_client(settings)
-        self.upstream = Upstream(
-            settings.upstream, self.client, kind=settings.upstream_kind, api_key=settings.upstream_api_key
+        self.replicas = ReplicaSet(
+            settings.replica_specs(), self.client, settings.routing,
+            kind=settings.upstream_kind, api_key=settings.upstream_api_key,
         )
         self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
         self.metrics = GatewayMetrics()
         self.proxy = Proxy(
-            upstream=self.upstream,
+            replicas=self.replicas,
             authenticator=self.authenticator,
             warner=PrefixWarner(),
             writer=self.writer,
@@ -76,6 +77,7 @@ class GatewayState:
         )
 
     async def aclose(self) -> None:
+        await self.replicas.aclose()
         await anyio.to_thread.run_sync(self.writer.close)
         if self.owns_client:
             await self.client.aclose()
@@ -94,14 +96,13 @@ def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = Non
     async def models(request: Request) -> Response:
         try:
             state.authenticator.tenant_for(request.headers.get("authorization"))
-            return _json(await state.upstream.get("/v1/models"))
+            return _json(await state.replicas.get("/v1/models"))
         except GatewayError as error:
             return error_response(error)
 
     async def health(request: Request) -> Response:
-        try:
-            await state.upstream.check_health()
-        except GatewayError as error:
+        error = await state.replicas.any_healthy()
+        if error is not None:
             return _json({"status": "degraded", "upstream": error.message}, status=503)
         return _json({"status": "ok", "upstream": "ok"})
 
@@ -130,6 +131,7 @@ def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.replicas.start()
         try:
             yield
         finally:

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.replica_spec import (
+    ReplicaSpec,
+    RoutingOptions,
+    parse_routing_table,
+    parse_upstreams_table,
+)
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -82,6 +89,8 @@ class GatewayConfig:
     # The dashboard's cost estimate, in any currency per million prompt tokens.
     input_price_per_million: float = DEFAULT_INPUT_PRICE
     cached_input_price_per_million: float = DEFAULT_CACHED_INPUT_PRICE
+    upstreams: tuple[ReplicaSpec, ...] = ()  # [[upstreams]]: several replicas (gateway/replica_spec.py)
+    routing: RoutingOptions = field(default_factory=RoutingOptions)  # [routing]
 
 
 def parse_isolation(value: Any, where: str) -> str:
@@ -138,7 +147,7 @@ def parse_tenant(name: str, table: Any) -> tuple[Tenant, list[str]]:
 
 def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     """Build a :class:`GatewayConfig` from parsed TOML; ``ValueError`` names the bad field."""
-    unknown = set(data) - {"server", "tenants"}
+    unknown = set(data) - {"server", "tenants", "upstreams", "routing"}
     if unknown:
         raise ValueError(f"unknown top-level table(s) {sorted(unknown)!r}")
     server = data.get("server", {})
@@ -184,6 +193,8 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         upstream_kind=upstream_kind,
         input_price_per_million=input_price,
         cached_input_price_per_million=float(cached_price),
+        upstreams=parse_upstreams_table(data["upstreams"]) if "upstreams" in data else (),
+        routing=parse_routing_table(data.get("routing", {})),
     )
 
 

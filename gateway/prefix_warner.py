@@ -1,11 +1,12 @@
 """Prefix warnings: the linter's per-request rules plus a comparison with the
 previous turn of the same conversation.
 
-A *conversation* is identified, per tenant, by the ``x-prefixgate-conversation``
-request header when the client sends one, otherwise by the SHA-256 of the
-canonical JSON of the request's first ``user`` message (every later turn of a chat
-repeats its opening user message). Requests without a user message and without
-the header are checked on their own only.
+A *conversation* is identified, per tenant, as the linter defines it
+(:func:`linter.api.conversation_keys`, one definition for both): the
+``x-prefixgate-conversation`` header, ``metadata.conversation_id`` or
+``prompt_cache_key``, else an earlier request whose messages this one extends.
+Never the first user message alone. Requests without a user message and without
+an id are checked on their own only.
 
 Memory is bounded: at most ``max_tenants`` tenants x ``max_conversations``
 conversations are remembered (least recently used evicted first), and bodies
@@ -17,20 +18,23 @@ without that rule's warnings (logged), it is never failed because of it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from linter.api import check_request, compare_requests
+from linter.api import (
+    CONVERSATION_HEADER,
+    ConversationKeys,
+    check_request,
+    compare_requests,
+    conversation_keys,
+)
 
 log = logging.getLogger(__name__)
 
-CONVERSATION_HEADER = "x-prefixgate-conversation"
+__all__ = ["CONVERSATION_HEADER", "PrefixWarner", "PrefixWarning"]
 
 
 @dataclass(frozen=True)
@@ -49,22 +53,6 @@ class PrefixWarning:
             "location": self.location,
             "tokens_lost": self.tokens_lost,
         }
-
-
-def conversation_key(body: Mapping[str, Any], header: str | None) -> str | None:
-    if header:
-        return "header:" + header[:256]
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") == "user":
-            try:
-                raw = orjson.dumps(message.get("content"), option=orjson.OPT_SORT_KEYS)
-            except TypeError:
-                return None
-            return "user:" + hashlib.sha256(raw).hexdigest()
-    return None
 
 
 def _convert(findings: list[Any]) -> list[PrefixWarning]:
@@ -102,20 +90,20 @@ class PrefixWarner:
             warnings.extend(_convert(check_request(original)))
         except Exception:
             log.exception("linter check_request failed; continuing without its warnings")
-        key = conversation_key(canonical, conversation_header)
-        if key is None:
+        keys = conversation_keys(canonical, conversation_header)
+        if keys is None:
             return warnings
-        previous = self._remember(tenant, key, canonical, body_size)
+        previous = self._remember(tenant, keys, canonical, body_size)
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous != canonical:
             try:
-                warnings.extend(_convert(compare_requests(previous, canonical)))
+                warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True)))
             except Exception:
                 log.exception("linter compare_requests failed; continuing without its warnings")
         return warnings
 
     def _remember(
-        self, tenant: str, key: str, body: Mapping[str, Any], body_size: int
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
         conversations = self._history.get(tenant)
         if conversations is None:
@@ -124,9 +112,13 @@ class PrefixWarner:
                 self._history.popitem(last=False)
         else:
             self._history.move_to_end(tenant)
-        previous = conversations.pop(key, None)
+        previous = None
+        for key in keys.lookup:
+            previous = conversations.pop(key, None)
+            if previous is not None:
+                break
         if body_size <= self.max_body_bytes:
-            conversations[key] = body
+            conversations[keys.remember] = body
             if len(conversations) > self.max_conversations:
                 conversations.popitem(last=False)
         return previous

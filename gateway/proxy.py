@@ -29,11 +29,11 @@ from gateway.errors import GatewayError, PrefixWarningRejected, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import CONVERSATION_HEADER, PrefixWarner, PrefixWarning
 from gateway.relay_stream import RelayResponse, RelayStream
+from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
-from gateway.upstream import Upstream
 from gateway.upstream_kind import scoped_body
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Proxy:
     def __init__(
         self,
         *,
-        upstream: Upstream,
+        replicas: ReplicaSet,
         authenticator: Authenticator,
         warner: PrefixWarner,
         writer: StatsWriter,
@@ -54,7 +54,7 @@ class Proxy:
         secret: bytes,
         max_body_bytes: int,
     ) -> None:
-        self.upstream = upstream
+        self.replicas = replicas
         self.authenticator = authenticator
         self.warner = warner
         self.writer = writer
@@ -63,7 +63,7 @@ class Proxy:
         self.max_body_bytes = max_body_bytes
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        record = RequestRecord(endpoint=endpoint, upstream=self.upstream.base_url)
+        record = RequestRecord(endpoint=endpoint, upstream=self.replicas.primary.base_url)
         try:
             return await self._handle(request, record)
         except GatewayError as error:
@@ -79,6 +79,7 @@ class Proxy:
         return error_response(error, headers)
 
     def _record(self, record: RequestRecord) -> None:
+        ReplicaSet.finish(record)
         self.writer.submit(record)
         self.metrics.observe(record)
 
@@ -107,13 +108,14 @@ class Proxy:
         if tenant.reject_on:  # the verdict is needed before anything goes upstream
             warnings = check()
             self._enforce(tenant, record, warnings)
+        route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
         stack = contextlib.AsyncExitStack()
         path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
         sent = asyncio.Event()
         work = asyncio.ensure_future(
-            stack.enter_async_context(self.upstream.stream(path, content, sent.set))
+            stack.enter_async_context(route.stream(path, content, sent.set))
             if record.stream
-            else self.upstream.post(path, content, sent.set)
+            else route.post(path, content, sent.set)
         )
         try:
             if warnings is None:
@@ -139,7 +141,7 @@ class Proxy:
     ) -> tuple[dict[str, Any], bool]:
         """The body sent upstream (server-side salt or cache key; usage asked for when streaming),
         and whether the usage chunk must be stripped again for the client."""
-        upstream_body = scoped_body(self.upstream.kind, body, self.secret, tenant.scope, client_salt)
+        upstream_body = scoped_body(self.replicas.kind, body, self.secret, tenant.scope, client_salt)
         options = upstream_body.get("stream_options") or {}
         strip_usage = stream and not options.get("include_usage")
         if strip_usage:

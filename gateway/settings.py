@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import GatewayConfig
+from gateway.replica_spec import ReplicaSpec, RoutingOptions
 
 
 @dataclass(frozen=True)
@@ -25,3 +26,8 @@ class GatewaySettings:
     stats_batch_size: int = 256
     upstream_kind: str = "vllm"
     upstream_api_key: str | None = None
+    replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
+    routing: RoutingOptions = field(default_factory=RoutingOptions)
+
+    def replica_specs(self) -> tuple[ReplicaSpec, ...]:
+        return self.replicas or (ReplicaSpec(self.upstream, "r0"),)

@@ -25,6 +25,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    UpstreamUnreachable,
 )
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
@@ -71,7 +72,7 @@ def normalize_base_url(url: str) -> str:
 
 def translate(exc: httpx.HTTPError) -> GatewayError:
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-        return UpstreamUnavailable(f"upstream unavailable: {type(exc).__name__}: {exc}")
+        return UpstreamUnreachable(f"upstream unavailable: {type(exc).__name__}: {exc}")
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(f"upstream timed out: {type(exc).__name__}")
     return UpstreamError(f"upstream failed: {type(exc).__name__}: {exc}")

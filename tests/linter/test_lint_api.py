@@ -44,7 +44,7 @@ def test_compare_requests_reports_the_cause_and_tokens_lost():
         "messages": [{"role": "system", "content": "Now 2026-11-21T10:05:00Z."}, {"role": "user", "content": "hi"},
                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
     }
-    (finding,) = compare_requests(BODY, later)
+    (finding,) = compare_requests(BODY, later, same_conversation=True)
     assert finding.code == "PS201" and finding.tokens_lost > 0
     assert compare_requests(BODY, {**later, "messages": [*BODY["messages"], *later["messages"][2:]]}) == []
 

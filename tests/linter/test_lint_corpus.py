@@ -6,6 +6,7 @@ from pathlib import Path
 
 from linter.config import LintConfig
 from linter.corpus import load_file
+from linter.registry import all_rules
 from linter.render import render
 from linter.runner import lint_paths
 from linter.tokenizer import ApproxTokenizer
@@ -47,6 +48,12 @@ def test_planted_breaks_are_all_found_at_their_lines():
     assert report.problems == []
     for finding in report.findings:
         assert finding.path.endswith("requests.jsonl") and finding.column >= 1
+
+
+def test_opt_in_hygiene_rules_add_their_findings():
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(select=set(all_rules())), ApproxTokenizer())
+    found = sorted((f.line, f.code) for f in report.findings)
+    assert found == sorted(_generator().PLANTED + _generator().PLANTED_OPT_IN)
 
 
 def test_planted_source_breaks_are_found_and_noqa_respected():
@@ -106,8 +113,19 @@ def test_per_request_findings_cost_the_static_tokens_after_them():
     value_at = rendered.text.index(system) + system.index("2026-11-21T09:00:00Z")
     static_end = rendered.text.index("<|im_end|>") + len("<|im_end|>\n")
     assert first.tokens_lost == (static_end // BLOCK - value_at // BLOCK) * BLOCK > 0
-    (reordered,) = [f for f in report.findings if f.code == "PS104" and f.line == 6]
-    assert reordered.tokens_lost is None  # in the tools' JSON: measured by PS203 and the table
+    hygiene = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(select={"PS104"}), CharTokenizer(), with_estimate=False)
+    (reordered, _) = [f for f in hygiene.findings if f.code == "PS104"]
+    assert reordered.line == 6 and reordered.tokens_lost is None  # in the tools' JSON: measured by PS203
+
+
+def test_findings_carry_the_gain_their_rule_measures_in_the_table():
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(), CharTokenizer())
+    gains = {g.code: g for g in report.estimate.per_rule}
+    for code in ("PS101", "PS202"):
+        lost = sum(f.tokens_lost for f in report.findings if f.code == code)
+        assert gains[code].applies and lost == sum(max(0, d) for d in gains[code].changed.values())
+        assert lost > 0
+    assert "PS204" not in gains  # no automatic fix: the table says so instead of +0
 
 
 def test_json_array_findings_point_at_the_offending_line(tmp_path):

@@ -1,0 +1,76 @@
+"""The routing policy: which replica gets a request, and how many tokens it will find cached.
+
+For each candidate replica ``r`` (healthy ones; every one when none is healthy)::
+
+    hit(r)  = longest prefix of the request's block keys that r holds   (blocks,
+              at most (prompt_tokens - 1) // block_size: the last token is computed)
+    cost(r) = (prompt_tokens - block_size * hit(r))                     tokens to prefill
+              + load_cost_tokens * in_flight(r)                         queueing
+
+and the replica with the lowest cost wins; ties go to fewer in-flight requests,
+then to the replica chosen least recently. ``load_cost_tokens`` (default 256)
+says how many prompt tokens of prefill one request already running on a replica
+is worth: a hot prefix stays on its replica until that replica's queue costs more
+than recomputing the prefix elsewhere, then spreads (and the other replica then
+holds it too). A request without keys (not tokenizable) is routed by load alone.
+
+The prediction ``predicted_cached_tokens = block_size * hit(r)`` is what the
+engine will report as ``cached_tokens`` when the index is exact (events) and no
+eviction happens between routing and scheduling. Keys carry the tenant's salt in
+block 0, so one tenant's blocks never count for another tenant's request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.block_index import ReplicaIndex
+from gateway.block_keys import RequestKeys
+
+
+class Candidate(Protocol):
+    name: str
+    index: ReplicaIndex
+    healthy: bool
+    in_flight: int
+    last_chosen: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: Candidate
+    hit_blocks: int
+    predicted_cached_tokens: int | None
+
+
+class Router:
+    def __init__(self, load_cost_tokens: int = 256) -> None:
+        if load_cost_tokens < 0:
+            raise ValueError(f"load_cost_tokens must be >= 0, got {load_cost_tokens!r}")
+        self.load_cost_tokens = load_cost_tokens
+        self._clock = itertools.count(1)
+
+    def choose(self, replicas: Sequence[Candidate], keys: RequestKeys | None,
+               exclude: Sequence[Candidate] = ()) -> Choice | None:
+        """The best replica outside ``exclude``, or None when there is none."""
+        candidates = [r for r in replicas if r not in exclude]
+        healthy = [r for r in candidates if r.healthy]
+        candidates = healthy or candidates
+        if not candidates:
+            return None
+        best: tuple[tuple[int, int, int], Candidate, int] | None = None
+        for replica in candidates:
+            hit = replica.index.hit_blocks(keys.keys, keys.max_hit_blocks) if keys is not None else 0
+            prefill = keys.num_tokens - hit * keys.block_size if keys is not None else 0
+            cost = prefill + self.load_cost_tokens * replica.in_flight
+            rank = (cost, replica.in_flight, replica.last_chosen)
+            if best is None or rank < best[0]:
+                best = (rank, replica, hit)
+        assert best is not None
+        _, replica, hit = best
+        replica.last_chosen = next(self._clock)
+        predicted = hit * keys.block_size if keys is not None else None
+        return Choice(replica, hit, predicted)
