@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 EPILOG = """examples:
   prefixgate db upgrade                      # ./.prefixgate/prefixgate.db to the newest schema
@@ -34,7 +37,7 @@ def resolve_db_url(args: argparse.Namespace) -> str:
     return str(args.db_url or default_db_url(args.data_dir or default_data_dir()))
 
 
-def open_existing(url: str) -> Any:
+def open_existing(url: str) -> Engine:
     """A read-only SQLAlchemy engine on an existing stats database (never creates one).
 
     ``ValueError`` (one line) when the SQLite file does not exist or holds no
