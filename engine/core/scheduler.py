@@ -16,14 +16,16 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_token
 
 Prefix sharing while running: a full block is cached (findable by its hash) as
 soon as the step that computes it is scheduled, so a request admitted later in the
-same step or any later step shares it through its ref count. A block's K/V are
+same step or in any later step shares it through its ref count. A block's K/V are
 written at the start of each layer's attention, before any sequence of the batch
-reads, so a sharer in the same forward reads finished values. A waiting request
-whose next block is one a running request will compute in a later step (it is
-still prefilling that prefix in chunks) waits instead of computing it again; it
-keeps its place in the queue and requests behind it may be admitted. The wait
-lasts at most as many steps as the producer has prefill chunks left: the producer
-runs first every step, and if it is preempted the block is no longer pending.
+reads, so a sharer in the same forward reads finished values. A request that
+arrives while another is still prefilling the same prefix therefore never
+recomputes it: the producer runs first every step and its chunk takes the whole
+remaining token budget until its last chunk, so nothing behind it is admitted
+before that step; in that step all the producer's full prompt blocks are cached
+at allocation, and the newcomer, admitted after it, hits them. The newcomer waits
+at most as many steps as the producer has chunks left (tested in
+``tests/engine/core/test_engine_batching.py``).
 
 Invariants:
 
@@ -43,7 +45,6 @@ from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core.engine_request import EngineRequest
-from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.kv_cache_manager import KVCacheManager
 
 RESERVE_HORIZON = 1024
@@ -107,7 +108,6 @@ class Scheduler:
         self.reserved_blocks = 0
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
-        self.num_prefix_waits = 0
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission."""
@@ -137,21 +137,13 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
-        pending: set[BlockHash] = set()
-        for s in out.scheduled:
-            pending.update(self._pending_hashes(s))
         kvm = self.kv_cache_manager
-        skipped: list[EngineRequest] = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             need = self.reservation(req)
             if self.reserved_blocks + need > self.num_blocks:
                 break
             hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
-            if self._waits_for(req, num_cached, pending):
-                self.num_prefix_waits += 1
-                skipped.append(self.waiting.popleft())
-                continue
             n = min(req.kv.num_tokens - num_cached, budget)
             if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
                 break
@@ -163,11 +155,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             self.running.append(req)
             self.reserved_blocks += need
-            scheduled = ScheduledSequence(req, num_cached, n)
-            out.scheduled.append(scheduled)
-            pending.update(self._pending_hashes(scheduled))
+            out.scheduled.append(ScheduledSequence(req, num_cached, n))
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _allocate_or_preempt(self, req: EngineRequest, n: int, out: SchedulerOutput) -> bool:
@@ -189,22 +178,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-
-    def _pending_hashes(self, s: ScheduledSequence) -> list[BlockHash]:
-        """Hashes of the full blocks a request still prefilling will compute in later steps."""
-        req = s.request
-        if s.end >= req.kv.num_tokens or not self.kv_cache_manager.enable_caching:
-            return []
-        return req.kv.block_hashes[self.kv_cache_manager.num_cached_blocks[req.request_id] :]
-
-    def _waits_for(self, req: EngineRequest, num_cached: int, pending: set[BlockHash]) -> bool:
-        """True when the block after ``req``'s hit is one a running request is computing."""
-        if not pending:
-            return False
-        index = num_cached // self.block_size
-        if index >= (req.kv.num_tokens - 1) // self.block_size:
-            return False  # no further block could be hit (the last token is never covered)
-        return req.kv.block_hashes[index] in pending
 
     # ---------------------------------------------------------- after a step
     def forget_unwritten(self, out: SchedulerOutput) -> None:

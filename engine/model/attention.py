@@ -37,6 +37,8 @@ from engine.model.kv_storage import KVStorage
 ATTN_IMPLEMENTATION = "prefixgate_paged_attention"
 KV_PAD = 64
 Q_CHUNK = 256
+ROW_MULTIPLE = 4
+"""Matrix products get a multiple of this many rows (see :func:`_pad_rows`)."""
 
 
 def padded_length(n: int) -> int:
@@ -58,19 +60,40 @@ class SequenceSlice:
     start: int
     block_table: torch.Tensor
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token sequences whose block tables have the same length, attended together.
+
+    ``rows[i]`` is the row of sequence ``i``, ``positions[i]`` its token's position and
+    ``block_tables`` their tables concatenated (``len(rows) * blocks_per_seq`` ids).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    blocks_per_seq: int
 
 
 @dataclass(frozen=True)
 class AttentionBatch:
     """What attention needs to know about a flattened batch: where each new token's
-    K/V go (``slots``, one per row, padding rows included) and the sequences."""
+    K/V go (``slots``, one per row, padding rows included), the multi-token sequences
+    (prefill chunks) and the single-token ones (decodes), grouped."""
 
     storage: KVStorage
     slots: torch.Tensor
     sequences: Sequence[SequenceSlice]
+    decode_groups: Sequence[DecodeGroup] = ()
+
+
+def _pad_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[..., m, head_dim]``) with zero rows appended up to a multiple of
+    :data:`ROW_MULTIPLE`: a CPU matrix product rounds rows differently with 1-3 rows."""
+    extra = -q.shape[-2] % ROW_MULTIPLE
+    if not extra:
+        return q
+    return torch.cat([q, q.new_zeros((*q.shape[:-2], extra, q.shape[-1]))], dim=-2)
 
 
 def paged_attention(
@@ -84,35 +107,62 @@ def paged_attention(
     """Write the batch's new ``key``/``value`` (``[T, kv_heads, head_dim]``) into their
     slots, then attend every sequence's queries (``query``: ``[T, heads, head_dim]``)
     over its keys. Returns ``[T, heads * head_dim]`` (zeros on padding rows)."""
-    storage = batch.storage
-    storage.write(layer, batch.slots, key, value)
-    num_rows, heads, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    out = query.new_zeros((num_rows, heads * head_dim))
+    batch.storage.write(layer, batch.slots, key, value)
+    out = query.new_zeros((query.shape[0], query.shape[1] * query.shape[2]))
+    for group in batch.decode_groups:
+        _attend_decodes(layer, query, batch.storage, group, scale, out)
     for seq in batch.sequences:
-        keys_t, values = storage.gather(layer, seq.block_table)
-        q_all = query[seq.row : seq.row + seq.num_tokens] * scale
-        key_index = torch.arange(keys_t.shape[-1])
-        for cs in range(0, seq.num_tokens, Q_CHUNK):
-            ce = min(seq.num_tokens, cs + Q_CHUNK)
-            rows = ce - cs
-            first_pos, last_pos = seq.start + cs, seq.start + ce - 1
-            seen = min(padded_length(last_pos + 1), keys_t.shape[-1])
-            q = q_all[cs:ce].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            q = q.reshape(kv_heads, group * rows, head_dim)
-            scores = torch.matmul(q, keys_t[:, :, :seen])
-            first_hidden = first_pos + 1  # keys before this are seen by every row
-            if first_hidden < seen:
-                positions = torch.arange(first_pos, last_pos + 1)
-                hidden = key_index[None, first_hidden:seen] > positions[:, None]
-                tail = scores.view(kv_heads, group, rows, seen)[..., first_hidden:]
-                tail.masked_fill_(hidden, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
-            chunk = torch.matmul(probs, values[:, :seen])  # [kv_heads, group * rows, head_dim]
-            chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
-            out[seq.row + cs : seq.row + ce] = chunk.reshape(rows, heads * head_dim)
+        _attend_sequence(layer, query, batch.storage, seq, scale, out)
     return out
+
+
+def _attend_decodes(
+    layer: int, query: torch.Tensor, storage: KVStorage, group: DecodeGroup, scale: float, out: torch.Tensor
+) -> None:
+    kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
+    heads = query.shape[1]
+    groups = heads // kv_heads
+    n = group.rows.numel()
+    length = group.blocks_per_seq * storage.layout.block_size
+    keys_t = torch.index_select(storage.keys_t[layer], 2, group.block_tables)
+    keys_t = keys_t.view(kv_heads, head_dim, n, length).transpose(1, 2).contiguous()
+    values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
+    q = (query[group.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+    scores = torch.matmul(_pad_rows(q), keys_t)  # [kv_heads, n, padded groups, length]
+    hidden = torch.arange(length)[None, :] > group.positions[:, None]
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
+    chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
+    out[group.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
+
+
+def _attend_sequence(
+    layer: int, query: torch.Tensor, storage: KVStorage, seq: SequenceSlice, scale: float, out: torch.Tensor
+) -> None:
+    kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
+    heads = query.shape[1]
+    group = heads // kv_heads
+    keys_t, values = storage.gather(layer, seq.block_table)
+    q_all = query[seq.row : seq.row + seq.num_tokens] * scale
+    key_index = torch.arange(keys_t.shape[-1])
+    for cs in range(0, seq.num_tokens, Q_CHUNK):
+        ce = min(seq.num_tokens, cs + Q_CHUNK)
+        rows = ce - cs
+        first_pos, last_pos = seq.start + cs, seq.start + ce - 1
+        seen = min(padded_length(last_pos + 1), keys_t.shape[-1])
+        q = q_all[cs:ce].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = _pad_rows(q.reshape(kv_heads, group * rows, head_dim))
+        scores = torch.matmul(q, keys_t[:, :, :seen])
+        first_hidden = first_pos + 1  # keys before this are seen by every row
+        if first_hidden < seen:
+            positions = torch.arange(first_pos, last_pos + 1)
+            hidden = key_index[None, first_hidden:seen] > positions[:, None]
+            tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
+            tail.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
+        chunk = torch.matmul(probs, values[:, :seen])[:, : group * rows]
+        chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
+        out[seq.row + cs : seq.row + ce] = chunk.reshape(rows, heads * head_dim)
 
 
 def transformers_attention(

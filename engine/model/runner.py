@@ -16,8 +16,10 @@ architecture whose attention is plain causal attention).
 Batch invariance: a CPU matrix product's row results depend on how many rows it
 has (measured: 1, 2 or 3 rows round differently from 4 or more in float32), so the
 flattened batch and the rows whose logits are computed are padded to a multiple
-of :data:`ROW_MULTIPLE`. With attention computed per sequence, a token then gets
-the same bits alone, in any batch, cached or not.
+of :data:`~engine.model.attention.ROW_MULTIPLE`. Attention is computed per
+sequence (prefill chunks) or per group of single-token sequences with equally long
+block tables (decodes), with the same per-sequence shapes either way, so a token
+gets the same bits alone, in any batch, cached or not.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from typing import Any
 import torch
 
 from engine.model import attention, llama
-from engine.model.attention import AttentionBatch, SequenceSlice, padded_length
+from engine.model.attention import (
+    ROW_MULTIPLE,
+    AttentionBatch,
+    DecodeGroup,
+    SequenceSlice,
+    padded_length,
+)
 from engine.model.kv_storage import KVStorage
-
-ROW_MULTIPLE = 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         slices: list[SequenceSlice] = []
+        decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
         logit_rows: list[int] = []
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
@@ -84,9 +91,21 @@ class ModelRunner:
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
             used = -(-end // bs)
             table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
-            slices.append(SequenceSlice(row, n, seq.start, torch.tensor(table, dtype=torch.long)))
+            if n == 1:
+                decodes.setdefault(len(table), []).append((row, seq.start, table))
+            else:
+                slices.append(SequenceSlice(row, n, seq.start, torch.tensor(table, dtype=torch.long)))
             if seq.sample:
                 logit_rows.append(row + n - 1)
+        groups = [
+            DecodeGroup(
+                rows=torch.tensor([r for r, _, _ in members], dtype=torch.long),
+                positions=torch.tensor([p for _, p, _ in members], dtype=torch.long),
+                block_tables=torch.tensor([b for _, _, t in members for b in t], dtype=torch.long),
+                blocks_per_seq=length,
+            )
+            for length, members in decodes.items()
+        ]
         num_logits = len(logit_rows)
         pad = -len(ids) % ROW_MULTIPLE
         ids.extend([0] * pad)
@@ -95,7 +114,7 @@ class ModelRunner:
         logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % ROW_MULTIPLE or 0))
         if not logit_rows:
             logit_rows = [0] * ROW_MULTIPLE
-        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices)
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)

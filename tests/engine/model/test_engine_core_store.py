@@ -124,3 +124,10 @@ def test_kv_storage_writes_slots_and_gathers_block_tables():
     assert torch.equal(values[:, 8:], torch.zeros(2, 4, 3))  # the pad block
     with pytest.raises(ValueError, match="exceed"):
         storage.slot_ids(table, 0, 13)
+
+
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5])
+def test_batching_limits_are_validated(field, bad):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: bad})
