@@ -304,8 +304,9 @@ class _Module:
         if name in self.functions or (isinstance(node.func, ast.Attribute) and last in self.functions and name.split(".")[0] in ("self", "cls")):
             out = self.returns.get(last, CLEAN)
         elif isinstance(node.func, ast.Attribute):
-            out = self.flow(node.func.value, env)  # a method of a value carries the value's causes
-            out = Flow(out.causes)
+            # A method of a value carries the value's causes; a list's window survives only a copy.
+            causes = self.flow(node.func.value, env).causes
+            out = Flow(causes if last == "copy" else frozenset(c for c in causes if c.code != PS305))
         return out | Flow(self._args(args, env).causes)
 
     def _args(self, args: list[ast.expr], env: dict[str, Flow]) -> Flow:
