@@ -14,9 +14,10 @@ Better
     One tool definition for everyone ("List the current customer's orders"),
     with the user identified in the conversation or by the tool's backend.
 
-Default rule. Detected: an f-string, ``.format``, ``%`` or concatenation with a
-name that mentions user, customer, account, tenant, member, email or profile,
-inside a tool definition (a dict with ``"type": "function"`` or ``parameters``,
+Default rule. Detected: a name that mentions user, customer, account, tenant,
+member, email or profile (``user.name``, ``account_id``, ``tenant.projects``)
+read inside a tool definition (in an f-string, a concatenation, an ``enum``, a
+filter of the tool list) (a dict with ``"type": "function"`` or ``parameters``,
 a ``tools=`` argument or ``tools`` variable, a tool constructor's
 ``description=``). What a tool *returns* is a tool result in the history, not
 its definition, and is not reported.
