@@ -58,7 +58,7 @@ _HISTORY_STORE = re.compile(r"(?i)^self\._?(messages|history|chat_history|chat_m
 _HISTORY_METHOD = re.compile(r"(?i)^(get|load|fetch|read)_?(items|messages|history|turns|entries|context)")
 _SESSION_CLASS = re.compile(r"(?i)(session|memory|history|conversation|chat)")
 _PROMPT_DECORATOR = re.compile(r"(?i)(system_prompt|instructions|system_message)$")
-_USER_NAME = re.compile(r"(?i)^(current_|the_|my_|end_)?(user|customer|account|tenant|member|email|profile|username)(_|s?$)")
+_USER_NAME = re.compile(r"(?i)^(current_|the_|my_|end_)?(user|customer|account|tenant|member|email|username)(_|s?$)")
 _UNORDERED_CALLS = {"set", "frozenset", "os.listdir", "listdir", "glob.glob", "glob.iglob", "os.scandir", "scandir"}
 _UNORDERED_METHODS = {"iterdir", "glob", "rglob", "union", "intersection", "difference", "symmetric_difference"}
 _EXECUTORS = {"to_thread", "run_in_executor", "run_sync"}
@@ -223,9 +223,7 @@ class _Module:
         base = self.flow(node.value, env)
         if isinstance(node.slice, ast.Slice):
             lower = node.slice.lower
-            negative = isinstance(lower, ast.UnaryOp) and isinstance(lower.op, ast.USub)
-            computed = lower is not None and not isinstance(lower, ast.Constant | ast.UnaryOp)
-            sliding = negative or (computed and bool(_SEQUENCE_OF_TURNS.search(pa.dotted_name(node.value))))
+            sliding = _window_start(lower) and bool(_SEQUENCE_OF_TURNS.search(pa.dotted_name(node.value)))
             if sliding:
                 text = ast.unparse(node)
                 return Flow(base.causes | {_cause(PS305, node, f"{text} keeps a sliding window")}, base.unordered)
@@ -441,9 +439,8 @@ class _Module:
             kind = _named_sink(target)
             if kind is not None:
                 self._report(added, kind)
-        front = method == "insert" and bool(call.args) and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0
         list_pop = method == "pop" and len(call.args) == 1 and not _minus_one(call.args[0]) and _is_int(call.args[0])
-        if (method == "insert" and not front) or method == "remove" or list_pop:
+        if method == "remove" or list_pop:
             self._edit(target, call, env, f"{ast.unparse(call.func)}(...) edits the history")
         if method == "shuffle" and pa.call_name(call).startswith("random"):
             for arg in call.args:
@@ -588,6 +585,20 @@ def _is_set_annotation(node: ast.expr | None) -> bool:
         return False
     base = node.value if isinstance(node, ast.Subscript) else node
     return pa.dotted_name(base).split(".")[-1] in ("set", "frozenset", "Set", "FrozenSet", "AbstractSet", "MutableSet")
+
+
+def _window_start(lower: ast.expr | None) -> bool:
+    """A slice start that keeps the last N items: ``-10``, ``-limit``, ``len(x) - n`` (not ``-1``: the last item)."""
+    if isinstance(lower, ast.UnaryOp) and isinstance(lower.op, ast.USub):
+        return not (isinstance(lower.operand, ast.Constant) and lower.operand.value == 1)
+    if isinstance(lower, ast.Constant) and isinstance(lower.value, int):
+        return lower.value < -1
+    return (
+        isinstance(lower, ast.BinOp)
+        and isinstance(lower.op, ast.Sub)
+        and isinstance(lower.left, ast.Call)
+        and pa.call_name(lower.left) == "len"
+    )
 
 
 def _minus_one(node: ast.expr) -> bool:

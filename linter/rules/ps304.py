@@ -17,7 +17,7 @@ Better
 Default rule. Detected: user-specific data read inside a tool definition (in an
 f-string, a concatenation, ``.format``, an ``enum``, a filter of the tool list),
 directly or through assignments: a name whose root is ``user``, ``customer``,
-``account``, ``tenant``, ``member``, ``email`` or ``profile`` (``user.name``,
+``account``, ``tenant``, ``member`` or ``email`` (``user.name``,
 ``account_id``, ``self.customer.plan``, ``current_user``; not constants, not
 ``tool.user_location``, not tool functions named ``get_user``). Tool
 definitions are dicts with ``"type": "function"`` or ``parameters``, ``tools=``
