@@ -203,3 +203,11 @@ def test_test_files_are_excluded_unless_configured(tmp_path, empty_config, capsy
     assert len(json.loads(capsys.readouterr().out)["findings"]) == 3
     run_lint([str(tmp_path / "src" / "tests" / "test_app.py"), "--format", "json"], empty_config)
     assert len(json.loads(capsys.readouterr().out)["findings"]) == 1  # named explicitly: always linted
+
+
+def test_the_table_never_prints_a_bare_zero_gain(empty_config, capsys):
+    run_lint([REQUESTS, "--select", "ALL", "--color", "never"], empty_config)
+    table = capsys.readouterr().out.split("Prefix-cache hit rate", 1)[1].splitlines()[3:]
+    assert any("no automatic fix" in row for row in table)
+    for row in table:
+        assert "+0" not in row.split() or "the fix applies, but" in row, row
