@@ -11,6 +11,11 @@ repeat, and names the cause at that point, in this order:
 5. a tool call's arguments differ only in key order or spacing -> PS203;
 6. otherwise the history was edited or truncated instead of appended -> PS204.
 
+Messages name a whitespace-only change (tools, instructions) and tool results
+that were only reordered, the causes the opt-in rules PS106 and PS105 check in
+single requests. A divergence that costs no full block of the earlier prompt
+(inside its last partial block) is not reported: nothing reusable was lost.
+
 What should be repeated: for a later turn of the same conversation (as
 :mod:`linter.conversation` defines it) everything up to the end of
 ``previous``'s last message; for

@@ -56,6 +56,8 @@ def _table(report: LintReport) -> list[str]:
             notes.append(f"{report.gained_elsewhere[code]:+} on requests without a finding")
         if count:
             notes.append(f"the fix does not repair {count} finding(s) losing {unrepaired} tokens")
+        if gain is not None and gain.applies and gain.tokens_gained == 0 and not count:
+            notes.append("the fix applies, but no request of this log reuses what it changes")
         note = f"  ({'; '.join(notes)})" if notes else ""
         if gain is not None and gain.applies:
             lines.append(
