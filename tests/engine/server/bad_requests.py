@@ -97,8 +97,15 @@ class _Generator:
         body = self.valid_body(path)
         raw: bytes | None = None
         if kind == "wrong_type":
-            for _ in range(self.rng.randint(1, 3)):
-                body[self.rng.choice(FIELDS)] = self.rng.choice(ODD_VALUES)
+            touched = [self.rng.choice(FIELDS) for _ in range(self.rng.randint(1, 3))]
+            for field in touched:
+                body[field] = self.rng.choice(ODD_VALUES)
+            # Keep generation short when a length field got an odd (but valid) value:
+            # max_completion_tokens wins over max_tokens when set.
+            if "max_completion_tokens" in touched and "max_tokens" not in touched:
+                body["max_tokens"] = 2
+            elif "max_tokens" in touched and "max_completion_tokens" not in touched:
+                body["max_completion_tokens"] = 2
         elif kind == "numeric_extreme":
             field = self.rng.choice(["temperature", "top_p", "top_k", "max_tokens", "seed", "n",
                                      "presence_penalty", "max_completion_tokens", "top_logprobs"])
