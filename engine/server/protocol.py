@@ -59,6 +59,21 @@ class GenerationBody:
     tools: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
 
+    def text_chars(self) -> int:
+        """Characters of prompt text the body carries (message contents, text parts, a string
+        prompt): a lower bound of what the tokenizer will see, counted without rendering."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        total = 0
+        for message in self.messages or ():
+            content = message.get("content")
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return total
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Sampling parameters for a prompt of ``num_prompt_tokens``.
 

@@ -173,6 +173,7 @@ class RequestHandler:
             body = parse_completion_body(raw, self.vocab_size)
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
+        self._refuse_by_size(body)
         mm_items: tuple[Any, ...] = ()
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
@@ -192,6 +193,24 @@ class RequestHandler:
             cache_salt=body.cache_salt, mm_items=mm_items,
         )
         return _Prepared(body, request, builder)
+
+    def _refuse_by_size(self, body: GenerationBody) -> None:
+        """A prompt whose text alone cannot fit in the context is refused before it is
+        rendered or tokenized (each token stands for at most ``max_token_chars``
+        characters), so an oversized request costs no tokenizer time and never holds
+        the tokenizer's lock while other requests wait for it."""
+        per_token = self.renderer.max_token_chars
+        if per_token is None:
+            return
+        chars = body.text_chars()
+        most_tokens_fit = self.engine.max_model_len - 1
+        if chars > most_tokens_fit * per_token:
+            raise errors.context_length_exceeded(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; the prompt "
+                f"has {chars} characters, more than {most_tokens_fit} tokens can hold (one token covers "
+                f"at most {per_token} characters).",
+                "messages" if body.kind == "chat" else "prompt",
+            )
 
     async def _respond(self, stream: OutputStream, prepared: _Prepared, kind: str, arrival: float,
                        receive: Receive) -> Response:

@@ -11,6 +11,8 @@ import openai
 import pytest
 from test_engine_http_fixtures import serve, wait_until
 
+from engine.server.errors import APIError
+
 
 @pytest.fixture
 def live(tiny_engine):
@@ -206,3 +208,38 @@ def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_en
                                           temperature=temperature)
     assert tiny.choices[0].message.content == greedy.choices[0].message.content
     assert tiny.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
+    """Each token covers at most `max_token_chars` characters: past that many per token of
+    context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
+    from engine.server.request_handler import RequestHandler
+
+    handler = RequestHandler(tiny_engine, allow_remote_images=False, max_body_bytes=64 * 1024 * 1024)
+    per_token = handler.renderer.max_token_chars
+    assert per_token is not None and per_token >= max(len(t) for t in tiny_engine.tokenizer.get_vocab())
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(tiny_engine.tokenizer, name)
+
+    handler.renderer.tokenizer = Counting()
+    limit = (tiny_engine.max_model_len - 1) * per_token
+    cases = [
+        ("chat", {"messages": [{"role": "system", "content": "x" * (limit // 2)},
+                               {"role": "user", "content": [{"type": "text", "text": "y" * (limit // 2 + 2)}]}]},
+         "messages"),
+        ("completion", {"prompt": "2024-01-01 " * (limit // 11 + 1)}, "prompt"),
+    ]
+    for kind, body, param in cases:
+        with pytest.raises(APIError) as info:
+            handler._prepare({"model": tiny_engine.model_id, **body}, kind)
+        assert (info.value.status_code, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
+        assert "characters" in info.value.message
+    assert calls == []  # the tokenizer was never touched
+    # Just under the bound, the size alone does not decide: it is tokenized (then refused by count).
+    with pytest.raises(APIError) as info:
+        handler._prepare({"model": tiny_engine.model_id, "prompt": "x" * limit}, "completion")
+    assert info.value.code == "context_length_exceeded" and "encode" in calls
