@@ -24,7 +24,7 @@ from typing import Any
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ZMQ_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
-DEFAULT_LOAD_COST_TOKENS = 256
+DEFAULT_LOAD_COST_TOKENS = 32
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 
 
