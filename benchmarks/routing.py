@@ -51,6 +51,8 @@ from typing import Any
 
 import httpx
 
+from gateway.replica_spec import DEFAULT_LOAD_COST_TOKENS, DEFAULT_MISS_WEIGHT
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -304,46 +306,44 @@ def main() -> int:
     parser.add_argument("--sglang-python", default=os.environ.get("SGLANG_PYTHON"),
                         help="python of a virtual environment with sglang-router installed")
     parser.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    parser.add_argument("--workloads", default="a,b,c,d", help="which workloads to run (default a,b,c,d)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the gateway's database and the logs here (default: a temporary directory)")
     args = parser.parse_args()
     quick = args.quick
     report: dict[str, Any] = {"machine": platform.platform(), "cpus": os.cpu_count(), "model": MODEL,
-                              "sglang_router": args.sglang_python is not None, "workloads": {}}
+                              "sglang_router": args.sglang_python is not None, "workloads": {},
+                              "prefixgate_routing": {"load_cost_tokens": DEFAULT_LOAD_COST_TOKENS,
+                                                     "miss_weight": DEFAULT_MISS_WEIGHT}}
     with tempfile.TemporaryDirectory() as tmp:
         data = args.workdir or Path(tmp)
         data.mkdir(parents=True, exist_ok=True)
         db = data / "prefixgate.db"
-        print("phase 1: replicas with 0.2 GiB of KV cache each", flush=True)
-        with processes() as procs:
-            replicas = start_engines(procs, 0.2)
-            routers = start_routers(procs, replicas, data, args.sglang_python)
-            single = {"single engine": replicas[0]["url"]}
-            turns = 2 if quick else 4
-            easy = {**routers, **single}
-            requests_easy = {r: workload_easy(f"easy-{r}-{time.time_ns()}", 4 if quick else 8, turns) for r in easy}
-            since = last_id(db)
-            t0 = time.perf_counter()
-            results = asyncio.run(run_routers(easy, requests_easy, 1))
-            entry = {r: summarize(rows) for r, rows in results.items()}
-            wait_rows(db, since, len(requests_easy["prefixgate"]))
-            _, compared, exact = predictions(db, since)
-            entry["prefixgate"].update(predicted_exact=exact, predicted_compared=compared)
-            entry["wall_s"] = time.perf_counter() - t0
-            report["workloads"]["a_easy"] = entry
-            print(f"  a_easy: {entry['wall_s']:.0f} s", flush=True)
-            run_workload("c_skew", routers, lambda n: workload_skew(n, 16 if quick else 40), 4, db, report)
-            run_workload("d_tools", routers, lambda n: workload_tools(n, 4 if quick else 6, 2 if quick else 3),
-                         2, db, report)
-        print("phase 2: replicas with 0.06 GiB of KV cache each (about 3.5 tenants' prefixes)", flush=True)
-        with processes() as procs:
-            replicas = start_engines(procs, 0.06)
-            routers = start_routers(procs, replicas, data, args.sglang_python)
-            run_workload("b_pressure", routers,
-                         lambda n: workload_easy(n, 6 if quick else 12, 2 if quick else 3), 2, db, report)
+        selected = set(args.workloads.split(","))
+        if selected & {"a", "c", "d"}:
+            print("phase 1: replicas with 0.2 GiB of KV cache each", flush=True)
+            with processes() as procs:
+                replicas = start_engines(procs, 0.2)
+                routers = start_routers(procs, replicas, data, args.sglang_python)
+                if "a" in selected:  # also against one replica alone: the single-engine hit rate
+                    run_workload("a_easy", {**routers, "single engine": replicas[0]["url"]},
+                                 lambda n: workload_easy(n, 4 if quick else 8, 2 if quick else 4), 1, db, report)
+                if "c" in selected:
+                    run_workload("c_skew", routers, lambda n: workload_skew(n, 16 if quick else 40), 4, db, report)
+                if "d" in selected:
+                    run_workload("d_tools", routers,
+                                 lambda n: workload_tools(n, 4 if quick else 6, 2 if quick else 3), 2, db, report)
+        if "b" in selected:
+            print("phase 2: replicas with 0.06 GiB of KV cache each (about 3.5 tenants' prefixes)", flush=True)
+            with processes() as procs:
+                replicas = start_engines(procs, 0.06)
+                routers = start_routers(procs, replicas, data, args.sglang_python)
+                run_workload("b_pressure", routers,
+                             lambda n: workload_easy(n, 6 if quick else 12, 2 if quick else 3), 2, db, report)
     print_table(report)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "routing.json").write_text(json.dumps(report, indent=2))
+    name = "routing.json" if args.workloads == "a,b,c,d" and not quick else f"routing-{args.workloads.replace(',', '')}.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=2))
     return 0
 
 

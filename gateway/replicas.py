@@ -202,7 +202,7 @@ class ReplicaSet:
             raise ValueError("at least one replica is needed")
         self.options = options or RoutingOptions()
         self.replicas = [Replica(spec, client) for spec in specs]
-        self.router = Router(self.options.load_cost_tokens)
+        self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
         self._health_task: asyncio.Task[None] | None = None
 

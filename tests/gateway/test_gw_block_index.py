@@ -94,7 +94,7 @@ def test_router_prefers_the_cached_prefix_until_its_queue_costs_more() -> None:
     request = keys_of(tokens, "t")
     a, b = FakeReplica("a"), FakeReplica("b")
     a.index.stored(engine_ids(tokens[:64], "t"), None, tokens[:64], BS, [("t",)] + [None] * 15)
-    router = Router(load_cost_tokens=10)
+    router = Router(load_cost_tokens=10, miss_weight=1.0)
     choice = router.choose([b, a], request)
     assert choice is not None and choice.replica is a and choice.predicted_cached_tokens == 64
     assert choice.prefill_tokens == 1
@@ -104,6 +104,7 @@ def test_router_prefers_the_cached_prefix_until_its_queue_costs_more() -> None:
     choice = router.choose([b, a], request)
     assert choice is not None and choice.replica is b and choice.predicted_cached_tokens == 0
     assert choice.prefill_tokens == 65
+    assert Router(load_cost_tokens=10, miss_weight=2.0).choose([b, a], request).replica is a  # type: ignore[union-attr]
     a.in_flight = a.queued_prefill = 0
     a.healthy = False
     a.in_flight = 0
