@@ -35,6 +35,8 @@ class ReplicaCollector(Collector):
             "healthy": ("1 when the replica is in the pool.", lambda r: 1.0 if r.healthy else 0.0),
             "in_flight": ("Requests routed to the replica and not finished.", lambda r: r.in_flight),
             "index_blocks": ("Block keys the gateway's index holds for the replica.", lambda r: r.index.num_blocks),
+            "queued_prefill_tokens": ("Tokens the in-flight requests were predicted to prefill.",
+                                      lambda r: r.queued_prefill),
         }
         counters = {
             "requests": ("Requests routed to the replica.", lambda r: r.requests),

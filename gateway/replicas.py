@@ -9,7 +9,7 @@
   the next best replica; each replica is tried at most once. Nothing is retried once the request was written: the engine may
   have started on it.
 * Accounting: :meth:`ReplicaSet.route` counts the request in flight on its replica
-  and marks its keys pending there; :meth:`ReplicaSet.finish` (called once, when
+  (with the tokens it was predicted to prefill) and marks its keys pending there; :meth:`ReplicaSet.finish` (called once, when
   the stats row is recorded) undoes both and counts predicted vs reported cached
   tokens per replica.
 """
@@ -49,6 +49,7 @@ class Replica:
         self.index = ReplicaIndex(has_events=spec.kv_events is not None)
         self.healthy = True
         self.in_flight = 0
+        self.queued_prefill = 0
         self.last_chosen = 0
         self.requests = 0
         self.retried_away = 0
@@ -78,6 +79,7 @@ class Route:
         self.record = record
         self.keys = keys
         self.replica: Replica | None = None
+        self.prefill_tokens = 0
         self.tried: list[Replica] = []
         self.finished = False
 
@@ -91,6 +93,8 @@ class Route:
         self.replica = replica
         self.tried.append(replica)
         replica.in_flight += 1
+        self.prefill_tokens = choice.prefill_tokens
+        replica.queued_prefill += self.prefill_tokens
         replica.requests += 1
         if self.keys is not None:
             replica.index.routed(self.keys.keys)
@@ -104,6 +108,7 @@ class Route:
         if replica is None:
             return
         replica.in_flight -= 1
+        replica.queued_prefill -= self.prefill_tokens
         if self.keys is not None:
             replica.index.finished(self.keys.keys)
         self.replica = None
@@ -201,7 +206,7 @@ class ReplicaSet:
         self.options = options or RoutingOptions()
         self.kind = kind
         self.replicas = [Replica(spec, client, kind, api_key) for spec in specs]
-        self.router = Router(self.options.load_cost_tokens)
+        self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
         self._health_task: asyncio.Task[None] | None = None
 

@@ -28,8 +28,14 @@ async def _post_many(settings, n: int, stream: bool = False) -> list[httpx.Respo
     app = create_app(settings, httpx.AsyncClient(timeout=10))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            return [await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
-                                      headers={"authorization": "Bearer k"}) for _ in range(n)]
+            responses = [await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
+                                           headers={"authorization": "Bearer k"}) for _ in range(n)]
+            for response in responses:
+                await response.aread()
+        for replica in app.state.gateway.replicas.replicas:  # every route was released once
+            assert (replica.in_flight, replica.queued_prefill) == (0, 0), replica.name
+            assert replica.index.hit_blocks([b"x" * 32]) == 0
+        return responses
     finally:
         await app.state.gateway.aclose()
 
