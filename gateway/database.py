@@ -1,7 +1,8 @@
 """The stats database: SQLAlchemy engine setup and Alembic migrations.
 
 SQLite databases run in WAL mode (readers never block the writer) with
-``synchronous=NORMAL``. The schema is owned by Alembic (``migrations/`` at the
+``synchronous=NORMAL`` and a 10 s busy timeout, so several gateway worker processes
+can each write their own short batches to one file (SQLite serializes them). The schema is owned by Alembic (``migrations/`` at the
 repository root, found next to the ``gateway`` package: the editable install of
 the Makefile and the Dockerfile both keep the source tree; ``PREFIXGATE_MIGRATIONS``
 overrides the location).
@@ -25,9 +26,9 @@ def default_db_url(data_dir: Path) -> str:
 
 def _enable_wal(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA busy_timeout=10000")  # first: the next pragma may wait for another process
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
 
 
