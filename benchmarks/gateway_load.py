@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import free_port, wait_healthy
+from gateway_overhead import cpu_seconds, free_port, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OVERHEAD = Path(__file__).resolve().parent / "gateway_overhead.py"
@@ -120,6 +120,21 @@ def run_wrk(wrk: str, url: str, concurrency: int, duration: int, body: Path, scr
     }
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its descendants (the gateway's workers): unlike req/s it
+    does not depend on how much of the shared machine the gateway got."""
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            total += cpu_seconds(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack.extend(int(child) for child in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def count_rows(db: Path) -> dict[str, int]:
     with sqlite3.connect(db) as connection:
         rows = connection.execute("SELECT status, count(*) FROM request_log GROUP BY status").fetchall()
@@ -162,8 +177,12 @@ def main() -> int:
                 for concurrency in levels:
                     row: dict[str, Any] = {"mode": mode, "concurrency": concurrency}
                     for name, base in (("direct", direct_base), ("gateway", gateway_base)):
+                        pid = upstream.pid if name == "direct" else gateway.pid
+                        cpu_before = tree_cpu_seconds(pid)
                         row[name] = run_wrk(wrk, base + "/v1/chat/completions", concurrency, duration,
                                             bodies[mode], script)
+                        row[name]["cpu_ms_per_request"] = (
+                            (tree_cpu_seconds(pid) - cpu_before) * 1000 / max(1, row[name]["requests"]))
                     rows.append(row)
                     print_row(row, flush=True)
         finally:
@@ -191,7 +210,7 @@ def main() -> int:
 
 
 HEADER = (f"{'mode':6} {'conc':>4} | {'direct rps':>10} {'p50':>7} {'p99':>7} {'err':>4} | "
-          f"{'gateway rps':>11} {'p50':>7} {'p99':>7} {'err':>4} | {'ratio':>5}")
+          f"{'gateway rps':>11} {'p50':>7} {'p99':>7} {'err':>4} {'cpu ms/req':>10} | {'ratio':>5}")
 _printed_header = False
 
 
@@ -202,7 +221,8 @@ def print_row(row: dict[str, Any], flush: bool = False) -> None:
         _printed_header = True
     d, g = row["direct"], row["gateway"]
     print(f"{row['mode']:6} {row['concurrency']:4d} | {d['rps']:10.0f} {d['p50_ms']:7.2f} {d['p99_ms']:7.2f} "
-          f"{d['errors']:4d} | {g['rps']:11.0f} {g['p50_ms']:7.2f} {g['p99_ms']:7.2f} {g['errors']:4d} | "
+          f"{d['errors']:4d} | {g['rps']:11.0f} {g['p50_ms']:7.2f} {g['p99_ms']:7.2f} {g['errors']:4d} "
+          f"{g['cpu_ms_per_request']:10.2f} | "
           f"{g['rps'] / d['rps']:5.2f}", flush=flush)
 
 

@@ -147,7 +147,7 @@ class PrefixWarner:
         max_warnings: int = 32,
         max_warning_bytes: int = 16 * 1024,
         budget_s: float = 1.0,
-        inline_max_bytes: int = 256 * 1024,
+        inline_max_bytes: int = 64 * 1024,
         history: History | None = None,
     ) -> None:
         self.max_tenants = max_tenants
