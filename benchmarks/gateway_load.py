@@ -13,6 +13,12 @@ After the run the gateway is stopped with SIGTERM and its ``request_log`` rows a
 counted: every request wrk saw answered must have its row (requests still in
 flight when wrk stops its clock are answered or cut off, and have rows too).
 
+Two more phases: a quiet tenant's sequential latency, idle and while another
+tenant posts 7.5 MiB system prompts full of dates (the prefix check's budget and
+helper process at work); and a one-worker gateway killed with SIGKILL after 2 s
+of sequential requests, to measure how many answered requests lost their rows
+(bounded by the stats writer's flush interval).
+
 Prints a table and writes JSON to benchmarks/results/gateway_load.json.
 Usage: python benchmarks/gateway_load.py [--duration 8] [--workers 2] [--quick]
 """
@@ -29,11 +35,15 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_overhead import cpu_seconds, free_port, wait_healthy
+
+from gateway.stats_writer import FLUSH_INTERVAL_S
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OVERHEAD = Path(__file__).resolve().parent / "gateway_overhead.py"
@@ -135,6 +145,92 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def sequential_latencies(url: str, key: str, body: dict[str, Any], n: int) -> list[float]:
+    import httpx
+
+    latencies = []
+    with httpx.Client(headers={"authorization": f"Bearer {key}"}, timeout=60) as client:
+        for _ in range(n):
+            started = time.perf_counter()
+            response = client.post(url, json=body)
+            latencies.append((time.perf_counter() - started) * 1000)
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def noisy_neighbour(gateway_base: str, n: int) -> dict[str, Any]:
+    """Another tenant's latency, idle and while 7.5 MiB system prompts full of dates are checked."""
+    import httpx
+
+    url = gateway_base + "/v1/chat/completions"
+    small = {"model": "fake-model", "max_tokens": 8, "messages": [{"role": "user", "content": "Ping?"}]}
+    line = "Meeting on 2026-11-23 at 10:42:17, next on 2026-11-24. "
+    big = {"model": "fake-model", "max_tokens": 8, "messages": [
+        {"role": "system", "content": line * (int(7.5 * 1024 * 1024) // len(line))},
+        {"role": "user", "content": "Summarise."}]}
+    sequential_latencies(url, "quiet-tenant", small, 50)  # warm-up
+    idle = sequential_latencies(url, "quiet-tenant", small, n)
+    stop, big_runs = threading.Event(), []
+
+    def noisy() -> None:
+        with httpx.Client(headers={"authorization": "Bearer noisy-tenant"}, timeout=120) as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                response = client.post(url, json=big)
+                codes = response.headers.get("x-prefixgate-warnings", "")
+                big_runs.append({"status": response.status_code, "ms": (time.perf_counter() - started) * 1000,
+                                 "warning_codes": codes, "response_bytes": len(response.content)})
+
+    thread = threading.Thread(target=noisy)
+    thread.start()
+    try:
+        loaded = sequential_latencies(url, "quiet-tenant", small, n)
+        while len(big_runs) < 2 and thread.is_alive():
+            loaded += sequential_latencies(url, "quiet-tenant", small, 20)
+    finally:
+        stop.set()
+        thread.join()
+    requests = 50 + len(idle) + len(loaded) + len(big_runs)
+    return {"requests": requests, "idle_p50_ms": pct(idle, 50), "idle_p99_ms": pct(idle, 99),
+            "loaded_p50_ms": pct(loaded, 50), "loaded_p99_ms": pct(loaded, 99),
+            "p99_ratio": pct(loaded, 99) / pct(idle, 99), "quiet_requests": len(loaded), "big_requests": big_runs}
+
+
+def sigkill_durability(gateway_cmd: list[str], data_dir: Path, seconds: float) -> dict[str, Any]:
+    """Sequential requests to a one-worker gateway, SIGKILL, then count the rows that made it."""
+    import httpx
+
+    port = free_port()
+    command = [*gateway_cmd[:gateway_cmd.index("--port")], "--port", str(port), "--data-dir", str(data_dir),
+               "--log-level", "warning", "--workers", "1"]
+    process = subprocess.Popen(command, env={**os.environ, "PREFIXGATE_SECRET": "load-secret-0123456789"})
+    base = f"http://127.0.0.1:{port}"
+    answered: list[float] = []
+    try:
+        wait_healthy(base, process)
+        with httpx.Client(headers={"authorization": "Bearer durable"}, timeout=30) as client:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if client.post(base + "/v1/chat/completions", json=BODY).status_code == 200:
+                    answered.append(time.monotonic())
+        process.kill()
+        killed = time.monotonic()
+        process.wait(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    written = sum(count_rows(data_dir / "prefixgate.db").values())
+    lost = answered[written:]  # sequential: rows are written in answer order
+    return {"flush_interval_s": FLUSH_INTERVAL_S, "answered": len(answered), "rows": written,
+            "lost": len(lost), "oldest_lost_answer_age_ms": (killed - lost[0]) * 1000 if lost else None}
+
+
 def count_rows(db: Path) -> dict[str, int]:
     with sqlite3.connect(db) as connection:
         rows = connection.execute("SELECT status, count(*) FROM request_log GROUP BY status").fetchall()
@@ -149,6 +245,9 @@ def main() -> int:
     parser.add_argument("--modes", default="json,stream", help="json, stream or both")
     parser.add_argument("--quick", action="store_true", help="2 s per run (smoke run)")
     parser.add_argument("--output", type=Path, default=RESULTS / "gateway_load.json")
+    parser.add_argument("--no-neighbour", dest="neighbour", action="store_false",
+                        help="skip the 7.5 MiB noisy-neighbour phase")
+    parser.add_argument("--no-sigkill", dest="sigkill", action="store_false", help="skip the SIGKILL phase")
     args = parser.parse_args()
     duration = 2 if args.quick else args.duration
     levels = [int(level) for level in args.levels.split(",")]
@@ -185,13 +284,18 @@ def main() -> int:
                             (tree_cpu_seconds(pid) - cpu_before) * 1000 / max(1, row[name]["requests"]))
                     rows.append(row)
                     print_row(row, flush=True)
-        finally:
+            neighbour = noisy_neighbour(gateway_base, 100 if args.quick else 300) if args.neighbour else None
             gateway.send_signal(signal.SIGTERM)
             gateway_rc = gateway.wait(60)
-            upstream.terminate()
-            upstream.wait(30)
+            durability = sigkill_durability(gateway_cmd, Path(tmp) / "killed", 2.0) if args.sigkill else None
+        finally:
+            for process in (gateway, upstream):
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait(60)
         stats_rows = count_rows(data_dir / "prefixgate.db")
     answered = sum(row["gateway"]["requests"] - row["gateway"]["error_kinds"]["status"] for row in rows)
+    answered += neighbour["requests"] if neighbour else 0
     cut_off_at_most = sum(row["concurrency"] for row in rows)
     total_rows = sum(stats_rows.values())
     report = {
@@ -201,6 +305,7 @@ def main() -> int:
         "stats": {"rows_by_status": stats_rows, "rows": total_rows, "answered_by_wrk": answered,
                   "in_flight_at_wrk_stop_at_most": cut_off_at_most, "gateway_exit_code": gateway_rc,
                   "every_answer_has_a_row": answered <= total_rows <= answered + cut_off_at_most},
+        "noisy_neighbour": neighbour, "sigkill": durability,
     }
     print_summary(report)
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +346,17 @@ def print_summary(report: dict[str, Any]) -> None:
     print(f"stats rows: {stats['rows']} ({stats['rows_by_status']}) for {stats['answered_by_wrk']} answers seen by "
           f"wrk (+ at most {stats['in_flight_at_wrk_stop_at_most']} in flight at each stop): "
           f"{'every answer has a row' if stats['every_answer_has_a_row'] else 'ROWS MISSING'}")
+    if report["noisy_neighbour"]:
+        n = report["noisy_neighbour"]
+        bigs = "; ".join("{status} in {ms:.0f} ms [{warning_codes}]".format(**b) for b in n["big_requests"][:3])
+        print(f"another tenant while 7.5 MiB dated prompts are checked: p99 {n['idle_p99_ms']:.1f} ms idle -> "
+              f"{n['loaded_p99_ms']:.1f} ms ({n['p99_ratio']:.2f}x; p50 {n['idle_p50_ms']:.1f} -> "
+              f"{n['loaded_p50_ms']:.1f} ms); {len(n['big_requests'])} big requests: {bigs}")
+    if report["sigkill"]:
+        k = report["sigkill"]
+        age = "n/a" if k["oldest_lost_answer_age_ms"] is None else f"{k['oldest_lost_answer_age_ms']:.0f} ms"
+        print(f"SIGKILL: {k['lost']} of {k['answered']} answered rows lost; the oldest lost answer was {age} "
+              f"old at the kill (flush interval {k['flush_interval_s'] * 1000:.0f} ms)")
     machine = report["machine"]
     print(f"load average before/after: {machine['load_average_before'][0]:.2f} / "
           f"{machine['load_average_after'][0]:.2f} on {machine['cpus']} cpus")

@@ -170,6 +170,7 @@ class PrefixWarner:
         *,
         body_size: int,
         conversation_header: str | None = None,
+        raw: bytes | None = None,
     ) -> list[PrefixWarning]:
         """:meth:`check`, run off the event loop; at most ``budget_s`` of waiting."""
         if self._pool is None:
@@ -177,6 +178,7 @@ class PrefixWarner:
         future = asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: self.check(
                 tenant, original, canonical, body_size=body_size, conversation_header=conversation_header,
+                raw=raw,
             )
         )
         try:
@@ -206,8 +208,12 @@ class PrefixWarner:
         *,
         body_size: int,
         conversation_header: str | None = None,
+        raw: bytes | None = None,
     ) -> list[PrefixWarning]:
         """Findings for one request; remembers ``canonical`` as the conversation's latest turn.
+
+        ``raw``, the client's bytes of ``original`` (``cache_salt`` aside), saves
+        re-encoding a large body for the helper process.
 
         Per-request rules see the body as the client sent it (so input the gateway
         had to canonicalize is reported); the cross-turn comparison sees canonical
@@ -221,7 +227,7 @@ class PrefixWarner:
         if body_size > self.inline_max_bytes:
             if self._lint_process is None:
                 self._lint_process = LintProcess(self.max_warnings, self.max_warning_bytes)
-            found = self._lint_process.check(original, previous, canonical, self.budget_s)
+            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw)
             if found is None:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,

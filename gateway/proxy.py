@@ -101,7 +101,7 @@ class Proxy:
                 return []
             return await self.warner.check_within_budget(
                 tenant.name, original, body, body_size=len(raw),
-                conversation_header=request.headers.get(CONVERSATION_HEADER),
+                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=raw,
             )
 
         warnings: list[PrefixWarning] | None = None

@@ -97,8 +97,9 @@ class HistoryServer:
 class HistoryClient:
     """``remember`` over the supervisor's socket; one connection per calling thread."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_body_bytes: int = 512 * 1024) -> None:
         self.path = path
+        self.max_body_bytes = max_body_bytes  # larger bodies are not remembered: not even sent
         self._local = threading.local()
 
     def remember(
@@ -106,7 +107,8 @@ class HistoryClient:
     ) -> Mapping[str, Any] | None:
         try:
             sock = self._socket()
-            _send(sock, orjson.dumps([tenant, key, body_size]), orjson.dumps(body))
+            payload = orjson.dumps(body) if body_size <= self.max_body_bytes else b""
+            _send(sock, orjson.dumps([tenant, key, body_size]), payload)
             previous = _recv(sock)
         except (OSError, EOFError, TypeError) as exc:
             log.warning("shared conversation history unreachable (%s); checking this request alone", exc)
