@@ -4,7 +4,8 @@ Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
 take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
 server-side salt -> start the upstream call -> prefix warnings (chat; computed
 while the upstream works, or before anything is sent for ``reject_on`` tenants)
--> await the upstream unless the client leaves -> relay, adding warnings ->
+(on the warner's threads, within its budget) -> await the upstream unless the
+client leaves -> relay, adding warnings ->
 exactly one stats row, whatever happened. Every failure is a
 :class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
 become a 500 and are logged.
@@ -96,17 +97,17 @@ class Proxy:
             body, record.canonicalization = canonicalize(body, tenant.canonicalize)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record.stream)
 
-        def check() -> list[PrefixWarning]:
+        async def check() -> list[PrefixWarning]:
             if record.endpoint != "chat.completions" or not tenant.warnings:
                 return []
-            return self.warner.check(
+            return await self.warner.check_within_budget(
                 tenant.name, original, body, body_size=len(raw),
-                conversation_header=request.headers.get(CONVERSATION_HEADER),
+                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=raw,
             )
 
         warnings: list[PrefixWarning] | None = None
         if tenant.reject_on:  # the verdict is needed before anything goes upstream
-            warnings = check()
+            warnings = await check()
             self._enforce(tenant, record, warnings)
         route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
         stack = contextlib.AsyncExitStack()
@@ -122,7 +123,7 @@ class Proxy:
                 # Advisory warnings are computed while the upstream works on the request:
                 # wait until it is on the wire (or the call ended), then run the linter.
                 await _first_of(sent, work)
-                warnings = check()
+                warnings = await check()
             record.warning_codes = [warning.code for warning in warnings]
             result = await _unless_disconnected(request, work)
         except BaseException:
