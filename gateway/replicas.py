@@ -1,9 +1,12 @@
 """ReplicaSet: the engine replicas behind the gateway, their health, and one request's route.
 
 * Health: a background task GETs every replica's ``/health`` each
-  ``health_interval_s``. A replica that fails leaves the pool (the router skips it
-  while any replica is healthy) and its index is dropped; it rejoins as soon as a
-  check succeeds. A connection refused during a request takes it out at once.
+  ``health_interval_s`` (timeout: ``HEALTH_TIMEOUT_S`` or the interval, the
+  larger). A replica leaves the pool (the router skips it while any replica is
+  healthy, and its index is dropped) when no connection can be made to it, at
+  once, or after ``FAILURES_TO_LEAVE`` checks in a row that failed otherwise (a
+  busy engine answering slowly keeps its place and its blocks); it rejoins as soon
+  as a check succeeds. A connection refused during a request takes it out at once.
 * Retry: a request whose connection to a replica fails before any byte of it was
   sent (connect refused or timed out: :class:`UpstreamUnreachable`) is sent to
   the next best replica; each replica is tried at most once. Nothing is retried once the request was written: the engine may
@@ -37,6 +40,9 @@ from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
+HEALTH_TIMEOUT_S = 5.0
+FAILURES_TO_LEAVE = 3
+
 
 class Replica:
     """One engine replica: its upstream, index, health and counters."""
@@ -48,6 +54,7 @@ class Replica:
         self.upstream = Upstream(spec.url, client, kind=kind, api_key=api_key)
         self.index = ReplicaIndex(has_events=spec.kv_events is not None)
         self.healthy = True
+        self.failed_checks = 0
         self.in_flight = 0
         self.queued_prefill = 0
         self.last_chosen = 0
@@ -261,12 +268,20 @@ class ReplicaSet:
 
     async def check_health(self) -> None:
         """One round of health checks (all replicas concurrently)."""
+        timeout = max(HEALTH_TIMEOUT_S, self.options.health_interval_s)
+
         async def check(replica: Replica) -> None:
             try:
-                await replica.upstream.check_health(timeout=self.options.health_interval_s)
-            except GatewayError:
+                await replica.upstream.check_health(timeout=timeout)
+            except UpstreamUnreachable:
+                replica.failed_checks = FAILURES_TO_LEAVE
                 replica.set_healthy(False)
+            except GatewayError:
+                replica.failed_checks += 1
+                if replica.failed_checks >= FAILURES_TO_LEAVE:
+                    replica.set_healthy(False)
             else:
+                replica.failed_checks = 0
                 replica.set_healthy(True)
 
         await asyncio.gather(*(check(r) for r in self.replicas))
