@@ -97,7 +97,8 @@ class PrefixWarner:
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous != canonical:
             try:
-                warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True)))
+                found = compare_requests(previous, canonical, same_conversation=True, edits=not keys.shared)
+                warnings.extend(_convert(found))
             except Exception:
                 log.exception("linter compare_requests failed; continuing without its warnings")
         return warnings
