@@ -53,6 +53,7 @@ class LintProcess:
         canonical: Mapping[str, Any],
         budget_s: float,
         raw: bytes | None = None,
+        edits: bool = True,
     ) -> list[dict[str, Any]] | None:
         """Warning dicts, or None when the budget ran out (the process is then killed).
 
@@ -70,7 +71,7 @@ class LintProcess:
             raw = raw if raw is not None else orjson.dumps(original)
             remaining = deadline - time.monotonic()
             conn.send_bytes(orjson.dumps(
-                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining]
+                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits]
             ))
             conn.send_bytes(raw)
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -155,14 +156,14 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             return
         reply = b"null"
         try:
-            previous, canonical, max_warnings, max_bytes, budget_s = orjson.loads(header)
+            previous, canonical, max_warnings, max_bytes, budget_s, edits = orjson.loads(header)
             checking = True
             signal.setitimer(signal.ITIMER_REAL, max(budget_s, 0.001))
             original = orjson.loads(raw)
             original.pop("cache_salt", None)
             if canonical is None:
                 canonical = original
-            warnings = bound_warnings(lint(original, previous, canonical), max_warnings, max_bytes)
+            warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
             reply = orjson.dumps([warning.to_dict() for warning in warnings])
         except _Interrupted:
             pass

@@ -87,10 +87,12 @@ def _convert(findings: list[Any]) -> list[PrefixWarning]:
 
 
 def lint(
-    original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any]
+    original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
+    edits: bool = True,
 ) -> list[PrefixWarning]:
     """The linter's findings: per-request rules on ``original``, then the comparison of
-    ``canonical`` with the conversation's ``previous`` turn. Never raises."""
+    ``canonical`` with the conversation's ``previous`` turn (history edits reported only
+    when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
     warnings: list[PrefixWarning] = []
     try:
         warnings.extend(_convert(check_request(original)))
@@ -98,7 +100,7 @@ def lint(
         log.exception("linter check_request failed; continuing without its warnings")
     if previous is not None:
         try:
-            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True)))
+            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True, edits=edits)))
         except Exception:
             log.exception("linter compare_requests failed; continuing without its warnings")
     return warnings
@@ -213,15 +215,18 @@ class PrefixWarner:
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
+        # A prompt_cache_key may name many conversations: only truncations and static changes count.
+        edits = keys is None or not keys.shared
         if body_size > self.inline_max_bytes:
             if self._lint_process is None:
                 self._lint_process = LintProcess(self.max_warnings, self.max_warning_bytes)
-            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw)
+            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits)
             if found is None:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
                                   self.max_warning_bytes)
-        return bound_warnings(lint(original, previous, canonical), self.max_warnings, self.max_warning_bytes)
+        return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
+                              self.max_warning_bytes)
 
     def remember(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int

@@ -235,10 +235,13 @@ def compare(
     block_size: int = DEFAULT_BLOCK_SIZE,
     rendered: Sequence[Rendered] | None = None,
     same_conversation: bool | None = None,
+    edits: bool = True,
 ) -> Divergence | None:
     """The first divergence of ``current`` from ``previous`` (see the module docstring), or None.
 
     ``same_conversation`` None means: infer it with :func:`is_same_conversation`.
+    ``edits`` False leaves out a history that only differs (PS204 "history
+    edited"), for a conversation named by a shared ``prompt_cache_key``.
     """
     pr, cr = rendered if rendered is not None else (render(previous), render(current))
     if same_conversation is None:
@@ -251,6 +254,8 @@ def compare(
         # Extends the earlier prompt, or is itself a prefix of it (a retry or a branch).
         return None
     code, why, seg = _classify(previous, current, pr, cr, offset)
+    if code == "PS204" and not edits and why.startswith("history edited"):
+        return None
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
     if lost == 0:

@@ -85,6 +85,7 @@ class RequestFamilies:
                 block_size=self._block_size,
                 rendered=(previous[1], rendered),
                 same_conversation=same_conversation,
+                edits=not (same_conversation and keys is not None and keys.shared),
             )
         self._first.setdefault(family, (body, rendered))
         if keys is not None:

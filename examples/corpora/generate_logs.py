@@ -192,14 +192,14 @@ def coding_session(log: Log, n: int, *, breaks: dict[str, Any] | None = None) ->
         history.append({"role": "tool", "tool_call_id": f"call_{n}_{t}", "content": f"def parse(row):\n    return row['id_{t}']\n"})
 
 
-def hi_chat(log: Log, n: int) -> None:
+def hi_chat(log: Log, n: int, extra: dict[str, Any] | None = None) -> None:
     """Unrelated chats that all open with a greeting, no ids: never one conversation."""
     opener = HI[n % len(HI)]
     first = [{"role": "system", "content": GENERAL}, {"role": "user", "content": opener}]
-    log.add({"model": "gpt-4o-mini", "messages": first})
+    log.add({"model": "gpt-4o-mini", "messages": first, **(extra or {})})
     reply = ["Hello! How can I help?", "Hi there, what do you need?", "Hey! What can I do for you?"][n % 3]
     follow = ["What is a good 3-day itinerary for Lisbon?", "Translate 'good morning' into Dutch.", "Explain what a mortgage is.", "Write a haiku about rain."][n % 4]
-    log.add({"model": "gpt-4o-mini", "messages": [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}]})
+    log.add({"model": "gpt-4o-mini", "messages": [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}], **(extra or {})})
 
 
 def clean() -> Log:
@@ -212,6 +212,9 @@ def clean() -> Log:
         hi_chat(log, n)
     for n in range(16, 20):
         support_chat(log, n, ids="none", breaks={"reorder_results": True})  # consistent within each chat
+    # One prompt_cache_key for the whole application, as OpenAI's cache routing suggests: not a conversation.
+    for n in range(20, 28):
+        hi_chat(log, n, {"prompt_cache_key": "general-assistant-v2"})
     return log
 
 

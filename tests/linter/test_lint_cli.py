@@ -211,3 +211,11 @@ def test_the_table_never_prints_a_bare_zero_gain(empty_config, capsys):
     assert any("no automatic fix" in row for row in table)
     for row in table:
         assert "+0" not in row.split() or "the fix applies, but" in row, row
+
+
+def test_too_deeply_nested_sources_are_skipped_and_reported(tmp_path, empty_config, capsys):
+    for terms in (700, 5000):  # analysis, then the parser itself, run out of recursion
+        path = tmp_path / f"deep{terms}.py"
+        path.write_text("def f():\n    system_prompt = " + " + ".join(['"a"'] * terms) + "\n    return system_prompt\n")
+        assert run_lint([str(path)], empty_config) == 0
+        assert "too deeply nested" in capsys.readouterr().out
