@@ -125,23 +125,37 @@ class FaultProxy:
         method, path = scope["method"], scope["path"]
         request = self.client.build_request(method, self.engine_url + path, content=body or None, headers=headers)
         upstream = await self.client.send(request, stream=True)
+        # Like any proxy, pass the client going away on: closing the upstream cancels it.
+        relay = asyncio.ensure_future(self._relay(upstream, send, fault, stream))
+        gone = asyncio.ensure_future(_disconnected(receive))
         try:
-            await send({"type": "http.response.start", "status": upstream.status_code,
-                        "headers": [(k.encode(), v.encode()) for k, v in upstream.headers.items()
-                                    if k.lower() in ("content-type",)]})
-            sent_events = 0
-            async for chunk in upstream.aiter_raw():
-                if fault and stream and sent_events >= 1:
-                    tail = {"malformed_event": b"data: {oops\n\n", "invalid_json": b"data: [1, 2\n\n",
-                            "error_event": b'data: {"error": {"message": "injected mid-stream"}}\n\n',
-                            "cut": b""}[fault]
-                    await send({"type": "http.response.body", "body": tail, "more_body": False})
-                    return
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                sent_events += chunk.count(b"\n\n")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (relay, gone):
+                task.cancel()
+            await asyncio.gather(relay, gone, return_exceptions=True)
             await upstream.aclose()
+
+    async def _relay(self, upstream: httpx.Response, send: Any, fault: str | None, stream: bool) -> None:
+        await send({"type": "http.response.start", "status": upstream.status_code,
+                    "headers": [(k.encode(), v.encode()) for k, v in upstream.headers.items()
+                                if k.lower() in ("content-type",)]})
+        sent_events = 0
+        async for chunk in upstream.aiter_raw():
+            if fault and stream and sent_events >= 1:
+                tail = {"malformed_event": b"data: {oops\n\n", "invalid_json": b"data: [1, 2\n\n",
+                        "error_event": b'data: {"error": {"message": "injected mid-stream"}}\n\n',
+                        "cut": b""}[fault]
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent_events += chunk.count(b"\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _respond(send: Any, status: int, body: bytes) -> None:
@@ -288,7 +302,7 @@ def phase_faults(gateway: str, proxy: FaultProxy, db: Path, count: int) -> dict[
 
 
 async def _cancel_one(client: httpx.AsyncClient, number: int) -> bool:
-    body = chat(number, stream=True, max_tokens=200, content=f"req-{number} Write a long story about a bicycle.")
+    body = chat(number, stream=True, max_tokens=64, content=f"req-{number} Write a long story about a bicycle.")
     async with client.stream("POST", "/v1/chat/completions", json=body,
                              headers={"authorization": f"Bearer {TENANT_KEYS['beta']}"}) as response:
         async for _ in response.aiter_bytes():

@@ -2,11 +2,11 @@
 
 Flow of one generation request (``POST /v1/chat/completions`` or ``/v1/completions``):
 
-1. the body is read with a byte bound (413 past ``max_body_bytes``) and decoded
-   (400 for malformed JSON);
-2. in a worker thread (the event loop never tokenizes or touches torch), the body
-   is validated (:mod:`engine.server.protocol`), the model name checked (404), the prompt
-   rendered and tokenized (:mod:`engine.server.chat`) and its length checked (400
+1. the body is read with a byte bound (413 past ``max_body_bytes``);
+2. in a worker thread (the event loop never decodes JSON, tokenizes or touches
+   torch), the body is decoded (400 for malformed JSON), validated
+   (:mod:`engine.server.protocol`), the model name checked (404), a prompt too
+   long by its size alone refused (400), the prompt rendered and tokenized (:mod:`engine.server.chat`) and its length checked (400
    ``context_length_exceeded``);
 3. the request is submitted to the engine, whose own thread runs it;
 4. outputs are streamed as SSE (:class:`~engine.server.event_stream.EventStreamResponse`)
@@ -133,7 +133,7 @@ class RequestHandler:
 
     async def _admit(self, request: Request, kind: str) -> tuple[_Prepared, OutputStream]:
         """Read, validate, tokenize and submit; every refusal is an APIError."""
-        raw = await self._read_json(request)
+        raw = await self._read_body(request)
         try:
             prepared = await run_in_threadpool(self._prepare, raw, kind)
             return prepared, self.engine.submit(prepared.request)
@@ -145,7 +145,7 @@ class RequestHandler:
         except RuntimeError as exc:  # submit() after the engine shut down
             raise errors.engine_unavailable(str(exc)) from exc
 
-    async def _read_json(self, request: Request) -> object:
+    async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise errors.body_too_large(self.max_body_bytes)
@@ -160,13 +160,15 @@ class RequestHandler:
         except ClientDisconnect as exc:  # nobody is left to answer; no stack trace either
             raise errors.APIError(400, "The client disconnected while sending the body.",
                                   code="client_disconnected") from exc
+        return b"".join(chunks)
+
+    def _prepare(self, content: bytes, kind: str) -> _Prepared:
+        """Decode, validate, render and tokenize (runs in a worker thread: a body of
+        megabytes is decoded off the event loop too)."""
         try:
-            return orjson.loads(b"".join(chunks))
+            raw = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise errors.malformed_json(str(exc)) from exc
-
-    def _prepare(self, raw: object, kind: str) -> _Prepared:
-        """Validate, render and tokenize (runs in a worker thread)."""
         if kind == "chat":
             body = parse_chat_body(raw, self.vocab_size)
         else:

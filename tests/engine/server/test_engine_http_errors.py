@@ -5,6 +5,7 @@ raw httpx covers what the SDK cannot send (malformed JSON, oversized bodies).
 """
 
 import base64
+import json
 
 import httpx
 import openai
@@ -235,11 +236,11 @@ def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_
     ]
     for kind, body, param in cases:
         with pytest.raises(APIError) as info:
-            handler._prepare({"model": tiny_engine.model_id, **body}, kind)
+            handler._prepare(json.dumps({"model": tiny_engine.model_id, **body}).encode(), kind)
         assert (info.value.status_code, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
         assert "characters" in info.value.message
     assert calls == []  # the tokenizer was never touched
     # Just under the bound, the size alone does not decide: it is tokenized (then refused by count).
     with pytest.raises(APIError) as info:
-        handler._prepare({"model": tiny_engine.model_id, "prompt": "x" * limit}, "completion")
+        handler._prepare(json.dumps({"model": tiny_engine.model_id, "prompt": "x" * limit}).encode(), "completion")
     assert info.value.code == "context_length_exceeded" and "encode" in calls
