@@ -181,10 +181,8 @@ class PrefixWarner:
                 raw=raw,
             )
         )
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), self.budget_s)
-        except TimeoutError:
-            return [self._over_budget()]
+        done, _ = await asyncio.wait({future}, timeout=self.budget_s)  # never cancels the check
+        return future.result() if done else [self._over_budget()]
 
     def close(self) -> None:
         """Stop the threads and the helper process (after the running checks)."""
