@@ -181,7 +181,13 @@ class PrefixWarner:
                 raw=raw,
             )
         )
-        done, _ = await asyncio.wait({future}, timeout=self.budget_s)  # never cancels the check
+        try:
+            done, _ = await asyncio.wait({future}, timeout=self.budget_s)
+        finally:
+            # A check still queued when its request stops waiting (budget spent, client
+            # gone) is dropped: under overload, stale checks must not eat the CPU that
+            # the next requests need. One already running finishes on its thread.
+            future.cancel()
         return future.result() if done else [self._over_budget()]
 
     def close(self) -> None:
