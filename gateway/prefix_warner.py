@@ -173,9 +173,13 @@ class PrefixWarner:
             )
         )
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.budget_s)
-        except TimeoutError:
-            return [self._over_budget()]
+            done, _ = await asyncio.wait({future}, timeout=self.budget_s)
+        finally:
+            # A check still queued when its request stops waiting (budget spent, client
+            # gone) is dropped: under overload, stale checks must not eat the CPU that
+            # the next requests need. One already running finishes on its thread.
+            future.cancel()
+        return future.result() if done else [self._over_budget()]
 
     def close(self) -> None:
         """Stop the threads and the helper process (after the running checks)."""

@@ -112,17 +112,23 @@ class Proxy:
         route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
         stack = contextlib.AsyncExitStack()
         path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
-        sent = asyncio.Event()
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_sent(*_: Any) -> None:
+            if not sent.done():
+                sent.set_result(None)
+
         work = asyncio.ensure_future(
-            stack.enter_async_context(route.stream(path, content, sent.set))
+            stack.enter_async_context(route.stream(path, content, on_sent))
             if record.stream
-            else route.post(path, content, sent.set)
+            else route.post(path, content, on_sent)
         )
+        work.add_done_callback(on_sent)
         try:
             if warnings is None:
                 # Advisory warnings are computed while the upstream works on the request:
                 # wait until it is on the wire (or the call ended), then run the linter.
-                await _first_of(sent, work)
+                await sent
                 warnings = await check()
             record.warning_codes = [warning.code for warning in warnings]
             result = await _unless_disconnected(request, work)
@@ -183,17 +189,6 @@ class Proxy:
         record.finish(200)
         self._record(record)
         return Response(content, status_code=200, media_type="application/json", headers=headers)
-
-
-async def _first_of(event: asyncio.Event, task: asyncio.Future[Any]) -> None:
-    """Return once ``event`` is set or ``task`` is done, whichever comes first."""
-    if event.is_set() or task.done():
-        return
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
