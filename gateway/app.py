@@ -25,15 +25,17 @@ from starlette.routing import Route
 
 from gateway.authenticator import Authenticator
 from gateway.connection_pool import ConnectionPool
+from gateway.dashboard import dashboard_route
 from gateway.database import create_db_engine
 from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import History, PrefixWarner
 from gateway.proxy import Proxy
+from gateway.replica_metrics import ReplicaCollector
+from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
 from gateway.stats_report import per_tenant
 from gateway.stats_writer import StatsWriter
-from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +63,18 @@ class GatewayState:
         self.settings = settings
         self.owns_client = client is None
         self.client = client or default_client(settings)
-        self.upstream = Upstream(settings.upstream, self.client)
+        self.replicas = ReplicaSet(
+            settings.replica_specs(), self.client, settings.routing,
+            kind=settings.upstream_kind, api_key=settings.upstream_api_key,
+        )
         self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
         self.metrics = GatewayMetrics()
+        self.metrics.add_collector(ReplicaCollector(self.replicas))
         self.warner = PrefixWarner(history=history)
         self.proxy = Proxy(
-            upstream=self.upstream,
+            replicas=self.replicas,
             authenticator=self.authenticator,
             warner=self.warner,
             writer=self.writer,
@@ -78,6 +84,7 @@ class GatewayState:
         )
 
     async def aclose(self) -> None:
+        await self.replicas.aclose()
         await anyio.to_thread.run_sync(self.writer.close)
         self.warner.close()
         if self.owns_client:
@@ -100,14 +107,13 @@ def create_app(
     async def models(request: Request) -> Response:
         try:
             state.authenticator.tenant_for(request.headers.get("authorization"))
-            return _json(await state.upstream.get("/v1/models"))
+            return _json(await state.replicas.get("/v1/models"))
         except GatewayError as error:
             return error_response(error)
 
     async def health(request: Request) -> Response:
-        try:
-            await state.upstream.check_health()
-        except GatewayError as error:
+        error = await state.replicas.any_healthy()
+        if error is not None:
             return _json({"status": "degraded", "upstream": error.message}, status=503)
         return _json({"status": "ok", "upstream": "ok"})
 
@@ -136,6 +142,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.replicas.start()
         try:
             yield
         finally:
@@ -149,6 +156,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cache/stats", cache_stats, methods=["GET"]),
+            dashboard_route(state),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
         lifespan=lifespan,

@@ -99,6 +99,11 @@ class UpstreamUnavailable(GatewayError):
     code = "upstream_unavailable"
 
 
+class UpstreamUnreachable(UpstreamUnavailable):
+    """No connection to the upstream could be made: nothing of the request reached it,
+    so another replica may take it (:mod:`gateway.replicas`)."""
+
+
 class UpstreamTimeout(GatewayError):
     status = 504
     type = "upstream_error"

@@ -12,9 +12,11 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.config import GatewayConfig, load_config
+from gateway.replica_spec import ReplicaSpec, check_unique, routing_from_args
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("prefixgate.gateway")
@@ -39,14 +41,18 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def build_settings(args: argparse.Namespace, upstream: str | None) -> GatewaySettings:
-    """Settings from parsed options; ``ValueError`` for a bad config or a missing upstream."""
+def build_settings(args: argparse.Namespace, upstream: str | None,
+                   replicas: Sequence[ReplicaSpec] = ()) -> GatewaySettings:
+    """Settings from parsed options; ``ValueError`` for a bad config or a missing upstream.
+
+    ``replicas`` (several ``--upstream``) win over the config's ``[[upstreams]]``."""
     from gateway.database import default_db_url
     from gateway.salt import load_or_create_secret
     from gateway.upstream import normalize_base_url
 
     config = load_config(args.config) if args.config is not None else GatewayConfig()
-    upstream = upstream or config.upstream
+    replicas = check_unique(replicas) or config.upstreams
+    upstream = upstream or config.upstream or (replicas[0].url if replicas else None)
     if not upstream:
         raise ValueError("no upstream: pass --upstream URL or set [server] upstream in the config")
     data_dir = args.data_dir or default_data_dir()
@@ -57,6 +63,8 @@ def build_settings(args: argparse.Namespace, upstream: str | None) -> GatewaySet
         config=config,
         open_mode=args.config is None,
         data_dir=data_dir,
+        replicas=tuple(replicas),
+        routing=routing_from_args(args, config.routing),
     )
 
 

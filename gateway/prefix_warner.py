@@ -1,11 +1,12 @@
 """Prefix warnings: the linter's per-request rules plus a comparison with the
 previous turn of the same conversation.
 
-A *conversation* is identified, per tenant, by the ``x-prefixgate-conversation``
-request header when the client sends one, otherwise by the SHA-256 of the
-canonical JSON of the request's first ``user`` message (every later turn of a chat
-repeats its opening user message). Requests without a user message and without
-the header are checked on their own only.
+A *conversation* is identified, per tenant, as the linter defines it
+(:func:`linter.api.conversation_keys`, one definition for both): the
+``x-prefixgate-conversation`` header, ``metadata.conversation_id`` or
+``prompt_cache_key``, else an earlier request whose messages this one extends.
+Never the first user message alone. Requests without a user message and without
+an id are checked on their own only.
 
 Memory is bounded: at most ``max_tenants`` tenants x ``max_conversations``
 conversations are remembered (least recently used evicted first), and bodies
@@ -32,7 +33,6 @@ compared whichever worker they reach.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
@@ -40,20 +40,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
-
 from gateway.lint_process import LintProcess
-from linter.api import check_request, compare_requests
+from linter.api import (
+    CONVERSATION_HEADER,
+    ConversationKeys,
+    check_request,
+    compare_requests,
+    conversation_keys,
+)
 
 log = logging.getLogger(__name__)
 
-CONVERSATION_HEADER = "x-prefixgate-conversation"
+__all__ = ["BUDGET_CODE", "CONVERSATION_HEADER", "History", "PrefixWarner", "PrefixWarning"]
+
 BUDGET_CODE = "GW001"
 
 
 class History(Protocol):
     def remember(
-        self, tenant: str, key: str, body: Mapping[str, Any], body_size: int
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None: ...
 
 
@@ -75,22 +80,6 @@ class PrefixWarning:
         }
 
 
-def conversation_key(body: Mapping[str, Any], header: str | None) -> str | None:
-    if header:
-        return "header:" + header[:256]
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") == "user":
-            try:
-                raw = orjson.dumps(message.get("content"), option=orjson.OPT_SORT_KEYS)
-            except TypeError:
-                return None
-            return "user:" + hashlib.sha256(raw).hexdigest()
-    return None
-
-
 def _convert(findings: list[Any]) -> list[PrefixWarning]:
     return [
         PrefixWarning(f.code, f.severity, f.message, f.location, f.tokens_lost) for f in findings
@@ -109,7 +98,7 @@ def lint(
         log.exception("linter check_request failed; continuing without its warnings")
     if previous is not None:
         try:
-            warnings.extend(_convert(compare_requests(previous, canonical)))
+            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True)))
         except Exception:
             log.exception("linter compare_requests failed; continuing without its warnings")
     return warnings
@@ -223,8 +212,8 @@ class PrefixWarner:
         had to canonicalize is reported); the cross-turn comparison sees canonical
         bodies (what the upstream cache sees).
         """
-        key = conversation_key(canonical, conversation_header)
-        previous = self.history.remember(tenant, key, canonical, body_size) if key is not None else None
+        keys = conversation_keys(canonical, conversation_header)
+        previous = self.history.remember(tenant, keys, canonical, body_size) if keys is not None else None
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
@@ -239,9 +228,10 @@ class PrefixWarner:
         return bound_warnings(lint(original, previous, canonical), self.max_warnings, self.max_warning_bytes)
 
     def remember(
-        self, tenant: str, key: str, body: Mapping[str, Any], body_size: int
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
-        """Store ``body`` as the conversation's latest turn (bounded LRU); the previous one."""
+        """Store ``body`` as the conversation's latest turn (bounded LRU); the previous one
+        (the first of ``keys.lookup`` found, taken out of the history)."""
         conversations = self._history.get(tenant)
         if conversations is None:
             conversations = self._history[tenant] = OrderedDict()
@@ -249,9 +239,13 @@ class PrefixWarner:
                 self._history.popitem(last=False)
         else:
             self._history.move_to_end(tenant)
-        previous = conversations.pop(key, None)
+        previous = None
+        for key in keys.lookup:
+            previous = conversations.pop(key, None)
+            if previous is not None:
+                break
         if body_size <= self.max_body_bytes:
-            conversations[key] = body
+            conversations[keys.remember] = body
             if len(conversations) > self.max_conversations:
                 conversations.popitem(last=False)
         return previous

@@ -30,12 +30,12 @@ from gateway.errors import GatewayError, PrefixWarningRejected, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import CONVERSATION_HEADER, PrefixWarner, PrefixWarning
 from gateway.relay_stream import RelayResponse, RelayStream
+from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
-from gateway.salt import derive_cache_salt
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
-from gateway.upstream import Upstream
+from gateway.upstream_kind import scoped_body
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Proxy:
     def __init__(
         self,
         *,
-        upstream: Upstream,
+        replicas: ReplicaSet,
         authenticator: Authenticator,
         warner: PrefixWarner,
         writer: StatsWriter,
@@ -55,7 +55,7 @@ class Proxy:
         secret: bytes,
         max_body_bytes: int,
     ) -> None:
-        self.upstream = upstream
+        self.replicas = replicas
         self.authenticator = authenticator
         self.warner = warner
         self.writer = writer
@@ -64,7 +64,7 @@ class Proxy:
         self.max_body_bytes = max_body_bytes
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        record = RequestRecord(endpoint=endpoint, upstream=self.upstream.base_url)
+        record = RequestRecord(endpoint=endpoint, upstream=self.replicas.primary.base_url)
         try:
             return await self._handle(request, record)
         except GatewayError as error:
@@ -80,6 +80,7 @@ class Proxy:
         return error_response(error, headers)
 
     def _record(self, record: RequestRecord) -> None:
+        ReplicaSet.finish(record)
         self.writer.submit(record)
         self.metrics.observe(record)
 
@@ -108,6 +109,7 @@ class Proxy:
         if tenant.reject_on:  # the verdict is needed before anything goes upstream
             warnings = await check()
             self._enforce(tenant, record, warnings)
+        route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
         stack = contextlib.AsyncExitStack()
         path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -117,9 +119,9 @@ class Proxy:
                 sent.set_result(None)
 
         work = asyncio.ensure_future(
-            stack.enter_async_context(self.upstream.stream(path, content, on_sent))
+            stack.enter_async_context(route.stream(path, content, on_sent))
             if record.stream
-            else self.upstream.post(path, content, on_sent)
+            else route.post(path, content, on_sent)
         )
         work.add_done_callback(on_sent)
         try:
@@ -144,12 +146,9 @@ class Proxy:
     def _upstream_body(
         self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, stream: bool
     ) -> tuple[dict[str, Any], bool]:
-        """The body sent upstream (server-side salt; usage asked for when streaming),
+        """The body sent upstream (server-side salt or cache key; usage asked for when streaming),
         and whether the usage chunk must be stripped again for the client."""
-        upstream_body = dict(body)
-        salt = derive_cache_salt(self.secret, tenant.scope, client_salt)
-        if salt is not None:
-            upstream_body["cache_salt"] = salt
+        upstream_body = scoped_body(self.replicas.kind, body, self.secret, tenant.scope, client_salt)
         options = upstream_body.get("stream_options") or {}
         strip_usage = stream and not options.get("include_usage")
         if strip_usage:

@@ -28,6 +28,9 @@ class RequestRecord:
     warning_codes: list[str] = field(default_factory=list)
     canonicalization: list[str] = field(default_factory=list)
     error_code: str | None = None
+    replica: str | None = None
+    predicted_cached_tokens: int | None = None
+    route: Any = field(default=None, repr=False, compare=False)  # gateway.replicas.Route, not a column
 
     def mark_first_byte(self) -> None:
         if self.ttft_ms is None:
@@ -65,6 +68,8 @@ class RequestRecord:
             "warning_codes": ",".join(sorted(set(self.warning_codes))),
             "canonicalization": ",".join(self.canonicalization),
             "error_code": self.error_code,
+            "replica": self.replica,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
         }
 
 

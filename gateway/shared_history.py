@@ -30,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from linter.api import ConversationKeys
+
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
@@ -70,12 +72,13 @@ class HistoryServer:
                 sock: socket.socket = self.request
                 while True:
                     try:
-                        tenant, key, body_size = orjson.loads(_recv(sock))
+                        tenant, lookup, remember, explicit, body_size = orjson.loads(_recv(sock))
                         body = _recv(sock)
-                    except (EOFError, OSError, orjson.JSONDecodeError, ValueError):
+                        keys = ConversationKeys(tuple(lookup), remember, explicit)
+                    except (EOFError, OSError, orjson.JSONDecodeError, ValueError, TypeError):
                         return
                     with owner._lock:
-                        previous = owner.store.remember(tenant, key, body, body_size)
+                        previous = owner.store.remember(tenant, keys, body, body_size)
                     _send(sock, previous or b"")
 
         self._server = socketserver.ThreadingUnixStreamServer(self.path, Handler)
@@ -103,12 +106,12 @@ class HistoryClient:
         self._local = threading.local()
 
     def remember(
-        self, tenant: str, key: str, body: Mapping[str, Any], body_size: int
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
         try:
             sock = self._socket()
             payload = orjson.dumps(body) if body_size <= self.max_body_bytes else b""
-            _send(sock, orjson.dumps([tenant, key, body_size]), payload)
+            _send(sock, orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size]), payload)
             previous = _recv(sock)
         except (OSError, EOFError, TypeError) as exc:
             log.warning("shared conversation history unreachable (%s); checking this request alone", exc)

@@ -16,7 +16,14 @@ Columns (the linter reads this table, keep them stable):
   answer (non-stream); ``latency_ms``: until the response was handed to the server;
 - ``warning_codes``, ``canonicalization``: comma-separated, sorted, unique codes /
   step names in the order applied ("" when none);
-- ``error_code``: the OpenAI error ``code`` for failed requests, else NULL.
+- ``error_code``: the OpenAI error ``code`` for failed requests, else NULL;
+- ``replica``: the name of the replica that got the request (``r0``, ``r1``... or
+  the configured name; after a retry the one that answered), NULL when the
+  request never reached the routing step;
+- ``predicted_cached_tokens``: the cached tokens the gateway predicted from its
+  block index when it routed the request (multiple of the block size), NULL when
+  it could not compute the request's block keys (single upstream, no tokenizer,
+  images).
 """
 
 from __future__ import annotations
@@ -55,5 +62,7 @@ request_log = Table(
     Column("warning_codes", Text, nullable=False, default=""),
     Column("canonicalization", Text, nullable=False, default=""),
     Column("error_code", String(64), nullable=True),
+    Column("replica", String(64), nullable=True),
+    Column("predicted_cached_tokens", Integer, nullable=True),
     Index("ix_request_log_tenant_time", "tenant", "time"),
 )

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 EPILOG = """examples:
   prefixgate stats
   prefixgate stats --data-dir /var/lib/prefixgate --since 2026-11-22T00:00 --format json
+  prefixgate stats --by replica     # hits per replica, predicted vs reported cached tokens
 """
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "stats", help="print prefix-cache hit rates per tenant, model and hour",
-        description="Hit rate = cached / prompt tokens, over requests whose upstream reported cached tokens.",
+        description="Hit rate = cached / prompt tokens, over requests whose upstream reported cached tokens. "
+        "Reads the database read-only and never creates one.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--data-dir", type=Path, default=None, help="directory of prefixgate.db")
     parser.add_argument("--db-url", default=None, help="SQLAlchemy URL (overrides --data-dir)")
     parser.add_argument("--since", default=None, help="only rows at or after this UTC time (ISO 8601)")
     parser.add_argument("--format", choices=["text", "json"], default="text")
+    parser.add_argument("--by", choices=["tenant", "replica"], default="tenant",
+                        help="group per tenant, model and hour (default), or per replica")
     parser.set_defaults(func=run)
 
 
@@ -30,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     import orjson
 
-    from gateway import database
-    from gateway.commands.db import resolve_db_url
+    from gateway.commands.db import open_existing, resolve_db_url
     from gateway.stats_report import format_table, per_tenant_model_hour
 
     since = None
@@ -39,12 +43,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             since = datetime.fromisoformat(args.since).replace(tzinfo=None)
         except ValueError:
-            print(f"prefixgate stats: --since: not an ISO 8601 time: {args.since!r}")
-            return 2
-    url = resolve_db_url(args)
-    database.upgrade(url)
-    engine = database.create_db_engine(url)
+            return _fail(f"--since: not an ISO 8601 time: {args.since!r}")
     try:
+        engine = open_existing(resolve_db_url(args))
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        if args.by == "replica":
+            return _print_replicas(engine, since, args.format)
         groups = per_tenant_model_hour(engine, since)
     finally:
         engine.dispose()
@@ -58,4 +64,25 @@ def run(args: argparse.Namespace) -> int:
         print("no requests recorded yet")
     else:
         print(format_table(groups))
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"prefixgate stats: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _print_replicas(engine: Any, since: Any, output: str) -> int:
+    import orjson
+
+    from gateway.stats_report import format_replica_table, per_replica
+
+    groups = per_replica(engine, since)
+    if output == "json":
+        print(orjson.dumps([{"replica": name, **stats.to_dict()} for name, stats in groups.items()],
+                           option=orjson.OPT_INDENT_2).decode())
+    elif not groups:
+        print("no requests recorded yet")
+    else:
+        print(format_replica_table(groups))
     return 0

@@ -80,7 +80,7 @@ def test_writer_batches_and_drains_on_close(tmp_path):
 def test_migrations_upgrade_downgrade_upgrade(tmp_path):
     url = database.default_db_url(tmp_path)
     database.upgrade(url)
-    assert database.current_revision(url) == "0001_request_log"
+    assert database.current_revision(url) == "2026_11_23_replica_routing"
     engine = database.create_db_engine(url)
     columns = {c["name"] for c in inspect(engine).get_columns("request_log")}
     assert {"time", "tenant", "model", "upstream", "status", "prompt_tokens", "cached_tokens",
@@ -92,7 +92,7 @@ def test_migrations_upgrade_downgrade_upgrade(tmp_path):
     assert "request_log" not in inspect(engine).get_table_names()
     engine.dispose()
     database.upgrade(url)
-    assert database.current_revision(url) == "0001_request_log"
+    assert database.current_revision(url) == "2026_11_23_replica_routing"
 
 
 def test_cli_db_and_stats(tmp_path):
@@ -100,7 +100,7 @@ def test_cli_db_and_stats(tmp_path):
     cli = [sys.executable, "-m", "gateway.cli"]
     done = subprocess.run([*cli, "db", "upgrade", "--data-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 0 and "0001_request_log" in done.stdout, done.stderr
+    assert done.returncode == 0 and "2026_11_23_replica_routing" in done.stdout, done.stderr
     engine = database.create_db_engine(url)
     writer = StatsWriter(engine)
     for tenant, prompt, cached in [("alpha", 100, 64), ("alpha", 100, 96), ("beta", 50, None)]:

@@ -83,11 +83,14 @@ def test_history_shared_through_the_server_compares_turns_across_clients():
             {"role": "system", "content": "You answer questions about invoices!"},
             {"role": "user", "content": "My balance?"}, {"role": "assistant", "content": "12"},
             {"role": "user", "content": "And last month?"}]}
-        assert not [w for w in first.check("t", turn1, turn1, body_size=100) if w.code.startswith("PS2")]
-        codes = [w.code for w in second.check("t", turn2, turn2, body_size=100)]
+        # an edited system prompt only shows as a break within an explicitly named conversation
+        thread = "invoices-1"
+        assert not [w for w in first.check("t", turn1, turn1, body_size=100, conversation_header=thread)
+                    if w.code.startswith("PS2")]
+        codes = [w.code for w in second.check("t", turn2, turn2, body_size=100, conversation_header=thread)]
         assert any(code.startswith("PS2") for code in codes), codes
         # another tenant never sees this conversation
-        other = [w.code for w in second.check("u", turn2, turn2, body_size=100)]
+        other = [w.code for w in second.check("u", turn2, turn2, body_size=100, conversation_header=thread)]
         assert not any(code.startswith("PS2") for code in other)
     finally:
         server.close()

@@ -47,9 +47,11 @@ def test_workers_share_history_and_metrics_and_write_every_row(tmp_path):
             conversations = 24
             for i in range(conversations):
                 question = {"role": "user", "content": f"Where is order {i}?"}
-                post_fresh(url, {"model": "fake-model", "messages": [
+                # an edited system prompt is a break only within a named conversation
+                thread = {"conversation_id": f"order-{i}"}
+                post_fresh(url, {"model": "fake-model", "metadata": thread, "messages": [
                     {"role": "system", "content": "You are the shop's assistant."}, question]})
-                edited = post_fresh(url, {"model": "fake-model", "messages": [
+                edited = post_fresh(url, {"model": "fake-model", "metadata": thread, "messages": [
                     {"role": "system", "content": "You are the shop's helpful assistant."}, question,
                     {"role": "assistant", "content": "It ships today."},
                     {"role": "user", "content": "Thanks"}]})

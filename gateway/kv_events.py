@@ -1,0 +1,201 @@
+"""KV-cache events: decoding vLLM's wire format and a subscriber thread per replica.
+
+Wire format (vLLM ``vllm/distributed/kv_events.py``, the same from prefixgate's
+engine, :mod:`engine.server.kv_event_publisher`): a ZMQ PUB socket sends multipart
+messages ``[topic, seq, payload]``; ``seq`` is an 8-byte big-endian counter from
+0; ``payload`` is msgpack of an event batch ``[ts, events, data_parallel_rank]``
+(a map ``{"ts", "events", "data_parallel_rank"}`` is accepted too). Each event is
+a map tagged by ``"type"`` (vLLM >= 0.24, after vLLM PR #42892) or, in older
+versions, an array whose first element is the tag and whose fields follow in
+declaration order:
+
+* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name, extra_keys, group_idx, ...``;
+* ``BlockRemoved``: ``block_hashes, medium, group_idx``;
+* ``AllBlocksCleared``: no fields.
+
+Block hashes are opaque (an int of the digest's last 8 bytes by default in vLLM,
+bytes otherwise): the gateway rehashes the token ids itself
+(:class:`gateway.block_index.ReplicaIndex`). Events for another medium than the
+GPU (offloading tiers) or another KV-cache group than 0 are ignored.
+
+Replay: a ROUTER socket answers a request ``[b"", start_seq (8 bytes)]`` with
+every buffered ``[seq, payload]`` from ``start_seq`` on, then ``[-1, b""]``. The
+subscriber asks for a replay from 0 when it starts (to rebuild the index of an
+engine that was already running) and whenever it sees a gap in ``seq``; a
+sequence number going backwards means the engine restarted, so the replica's
+index is dropped first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from gateway.block_index import ReplicaIndex
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _fields(event: Any) -> tuple[str, dict[str, Any]] | None:
+    """``(type, fields)`` of one event in either layout, or None when unreadable."""
+    if isinstance(event, dict) and isinstance(event.get("type"), str):
+        return event["type"], event
+    if isinstance(event, list | tuple) and event and isinstance(event[0], str):
+        kind = event[0]
+        names = STORED_FIELDS if kind == "BlockStored" else REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        return kind, dict(zip(names, event[1:], strict=False))
+    return None
+
+
+def decode_batch(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """The events of one msgpack batch; ValueError for a payload that is not a batch."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:
+        raise ValueError(f"undecodable KV-event batch: {exc}") from None
+    if isinstance(batch, dict):
+        events = batch.get("events")
+    elif isinstance(batch, list) and len(batch) >= 2:
+        events = batch[1]
+    else:
+        events = None
+    if not isinstance(events, list):
+        raise ValueError("KV-event batch without an events list")
+    return [parsed for parsed in map(_fields, events) if parsed is not None]
+
+
+def apply_events(index: ReplicaIndex, events: list[tuple[str, dict[str, Any]]]) -> None:
+    for kind, fields in events:
+        if fields.get("medium") not in (None, "GPU") or fields.get("group_idx") not in (None, 0):
+            continue
+        hashes = fields.get("block_hashes")
+        if kind == "AllBlocksCleared":
+            index.cleared()
+        elif not isinstance(hashes, list):
+            continue
+        elif kind == "BlockRemoved":
+            index.removed([_hashable(h) for h in hashes])
+        elif kind == "BlockStored":
+            tokens, size = fields.get("token_ids"), fields.get("block_size")
+            if not isinstance(tokens, list) or not isinstance(size, int):
+                continue
+            parent = fields.get("parent_block_hash")
+            extra = fields.get("extra_keys")
+            index.stored([_hashable(h) for h in hashes], None if parent is None else _hashable(parent),
+                         tokens, size, extra if isinstance(extra, list) else None)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where one replica publishes: ``endpoint`` (PUB), optional ``replay_endpoint`` (ROUTER), topic."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class KvEventSubscriber:
+    """A daemon thread applying one replica's event stream to its :class:`ReplicaIndex`."""
+
+    def __init__(self, source: EventSource, index: ReplicaIndex, name: str = "",
+                 on_batch: Callable[[int], None] | None = None) -> None:
+        self.source = source
+        self.index = index
+        self.name = name
+        self.on_batch = on_batch
+        self.last_seq: int | None = None
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"prefixgate-kv-events-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
+        sub.connect(self.source.endpoint)
+        try:
+            self._replay(0)
+            while not self._stop.is_set():
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                self._receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
+        except Exception:  # never let a bad stream kill the gateway; the replica falls back to pending keys
+            log.exception("KV-event subscriber %s stopped", self.name)
+        finally:
+            sub.close(0)
+
+    def _receive(self, seq: int, payload: bytes, replaying: bool = False) -> None:
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if replaying or seq == last:
+                return  # already applied
+            log.info("KV-event sequence of %s went back (%s -> %s): engine restarted", self.name, last, seq)
+            self.index.forget()
+            self.last_seq = None
+            if seq > 0 and self._replay(0):
+                return
+        elif last is not None and seq > last + 1 and not replaying:
+            self._replay(last + 1)
+            if self.last_seq is not None and seq <= self.last_seq:
+                return
+        elif (last is None and seq > 0 and not replaying and self._replay(0)
+              and self.last_seq is not None and seq <= self.last_seq):
+            return
+        try:
+            apply_events(self.index, decode_batch(payload))
+        except ValueError as exc:
+            log.warning("KV events of %s: %s", self.name, exc)
+        self.last_seq = seq
+        self.batches += 1
+        if self.on_batch is not None:
+            self.on_batch(seq)
+
+    def _replay(self, start: int) -> bool:
+        """Ask the replay socket for batches from ``start``; False when there is none or it failed."""
+        if self.source.replay_endpoint is None:
+            return False
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.source.replay_endpoint)
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while not self._stop.is_set():
+                if not sock.poll(2000):
+                    log.warning("no replay from %s", self.source.replay_endpoint)
+                    return False
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == END_SEQ:
+                    return True
+                self._receive(seq, frames[2], replaying=True)
+            return False
+        finally:
+            sock.close(0)

@@ -1,0 +1,178 @@
+"""The engine's KV-event publisher and the gateway's subscriber, over real ZMQ on loopback.
+
+A real ``KVCacheManager`` publishes what it caches, evicts and clears; the
+gateway's index, rebuilt from the events' token ids, must hold exactly the keys
+the gateway computes for the same prompts (which, for prefixgate's engine, are
+the engine's own block hashes), lose them on eviction and on a reset, and be
+rebuilt by the replay socket for a subscriber that starts late.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from gw_fakes import free_port
+
+from engine.kvcache.block_hash import hash_block_chain
+from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.kvcache.request import Request
+from engine.server.kv_event_publisher import KvEventPublisher, KVEventsConfig
+from gateway.block_index import ReplicaIndex
+from gateway.kv_events import EventSource, KvEventSubscriber
+
+BS = 4
+
+
+class Watch:
+    """Wakes a waiter whenever a subscriber applied a batch."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+
+    def notify(self, seq: int) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                assert left > 0, "the subscriber never reached the expected state"
+                self.cond.wait(left)
+
+
+@pytest.fixture
+def publisher() -> Iterator[tuple[KvEventPublisher, str, str]]:
+    port, replay = free_port(), free_port()
+    config = KVEventsConfig.from_json(
+        f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{port}", '
+        f'"replay_endpoint": "tcp://127.0.0.1:{replay}", "topic": "kv-events"}}')
+    pub = KvEventPublisher(config)
+    pub.start()
+    yield pub, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
+    pub.shutdown()
+
+
+def _run(manager: KVCacheManager, rid: str, tokens: list[int], salt: str | None) -> Request:
+    request = Request(rid, tokens, cache_salt=salt)
+    hit, n = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, len(tokens) - n, n, hit) is not None
+    return request
+
+
+def _rebind(config: KVEventsConfig) -> KvEventPublisher:
+    """A new publisher on the same ports (ZMQ releases a closed socket's port asynchronously)."""
+    import zmq
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return KvEventPublisher(config)
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "the old publisher's ports were never released"
+            time.sleep(0.05)
+
+
+def _subscriber(endpoint: str, replay: str, watch: Watch) -> KvEventSubscriber:
+    sub = KvEventSubscriber(EventSource(endpoint, replay, "kv-events"), ReplicaIndex(has_events=True), "r0",
+                            on_batch=watch.notify)
+    sub.start()
+    return sub
+
+
+def test_events_round_trip_store_evict_clear_and_replay(publisher) -> None:
+    pub, endpoint, replay = publisher
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager.block_pool.event_sink = pub.recorder
+    watch = Watch()
+    early = _subscriber(endpoint, replay, watch)
+    try:
+        tokens = list(range(100, 118))  # 4 full blocks + 2 tokens
+        request = _run(manager, "a", tokens, "tenant-a")
+        keys = hash_block_chain(tokens, BS, cache_salt="tenant-a")
+        assert keys == request.block_hashes  # the gateway's keys are this engine's hashes
+        watch.until(lambda: early.index.hit_blocks(keys) == 4)
+        assert early.index.hit_blocks(hash_block_chain(tokens, BS, cache_salt="tenant-b")) == 0
+        assert early.index.hit_blocks(hash_block_chain(tokens, BS)) == 0
+
+        # A continuation hits block 0..3 and caches one more: its parent is a hit block.
+        longer = [*tokens, 1, 2, 3, 4, 5]
+        _run(manager, "b", longer, "tenant-a")
+        watch.until(lambda: early.index.hit_blocks(hash_block_chain(longer, BS, cache_salt="tenant-a")) == 5)
+
+        # A late subscriber rebuilds the same index from the replay socket.
+        late = _subscriber(endpoint, replay, watch)
+        try:
+            watch.until(lambda: late.index.num_blocks == early.index.num_blocks == 5)
+        finally:
+            late.stop()
+
+        # Free both and fill the pool with another prompt: the old blocks are evicted.
+        manager.free("a")
+        manager.free("b")
+        other = list(range(500, 532))  # 8 blocks: the whole pool
+        _run(manager, "c", other, None)
+        watch.until(lambda: early.index.hit_blocks(keys) == 0)
+        assert early.index.hit_blocks(hash_block_chain(other, BS)) == 8
+        manager.free("c")
+        assert manager.reset_prefix_cache()
+        watch.until(lambda: early.index.num_blocks == 0)
+        assert early.index.unresolved_blocks == 0
+    finally:
+        early.stop()
+
+
+def test_a_restarted_engine_empties_the_index(publisher) -> None:
+    pub, endpoint, replay = publisher
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    manager.block_pool.event_sink = pub.recorder
+    watch = Watch()
+    sub = _subscriber(endpoint, replay, watch)
+    try:
+        for i in range(3):  # three batches: the old process got to seq >= 3 (its first is the clear)
+            _run(manager, f"a{i}", list(range(10 * i, 10 * i + 9)), None)
+            watch.until(lambda i=i: sub.index.num_blocks == 2 * (i + 1))
+        pub.shutdown()
+        # A new engine process on the same ports: its sequence starts again at 0.
+        fresh = _rebind(pub.config)
+        fresh.start()
+        try:
+            manager2 = KVCacheManager(num_blocks=64, block_size=BS)
+            manager2.block_pool.event_sink = fresh.recorder
+            # The subscriber reconnects on its own; the engine keeps publishing meanwhile.
+            for i in range(40):
+                tokens = list(range(1000 + 10 * i, 1000 + 10 * i + 5))
+                _run(manager2, f"z{i}", tokens, None)
+                try:
+                    watch.until(lambda tokens=tokens: sub.index.hit_blocks(hash_block_chain(tokens, BS)) == 1, 0.25)
+                    break
+                except AssertionError:
+                    continue
+            else:
+                pytest.fail("the subscriber never saw the restarted engine")
+            assert sub.index.hit_blocks(hash_block_chain(list(range(9)), BS)) == 0
+        finally:
+            fresh.shutdown()
+    finally:
+        sub.stop()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nope", "not JSON"),
+    ('{"enable_kv_cache_events": true, "bogus": 1}', "unknown field"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+    ('{"enable_kv_cache_events": true, "hwm": 0}', "hwm"),
+])
+def test_bad_kv_events_config_is_a_value_error(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVEventsConfig.from_json(text)
+
+
+def test_disabled_config_publishes_nothing() -> None:
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false}').enabled
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
+    assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
