@@ -71,7 +71,7 @@ class GatewayState:
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
         self.metrics = GatewayMetrics()
-        self.metrics.registry.register(ReplicaCollector(self.replicas))
+        self.metrics.add_collector(ReplicaCollector(self.replicas))
         self.warner = PrefixWarner(history=history)
         self.proxy = Proxy(
             replicas=self.replicas,

@@ -207,3 +207,46 @@ def test_trace_hook_fires_once_the_request_is_sent():
             await http.post(url, content=b"{}", extensions={"trace": trace})
         assert seen == ["http11.send_request_body.complete"]
     asyncio.run(go())
+
+
+def test_https_upstream_with_a_trusted_certificate(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    client_tls = ssl.create_default_context(cafile=str(cert))
+
+    async def go() -> None:
+        accepted: list[int] = []
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(1)
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await keep_alive_json()(reader, writer)
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=server_tls)
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient(
+            transport=ConnectionPool(limits=LIMITS, ssl_context=client_tls), timeout=5.0
+        ) as http:
+            for _ in range(3):
+                response = await http.post(f"https://localhost:{port}/v1/x", content=b"{}")
+                assert response.json() == {"ok": True}
+            assert len(accepted) == 1
+        async with httpx.AsyncClient(transport=ConnectionPool(limits=LIMITS), timeout=5.0) as untrusting:
+            server = await asyncio.start_server(on_connect, "127.0.0.1", port, ssl=server_tls)
+            async with server:
+                with pytest.raises(httpx.ConnectError):  # the default trust store rejects the certificate
+                    await untrusting.post(f"https://localhost:{port}/v1/x", content=b"{}")
+    asyncio.run(go())

@@ -98,3 +98,9 @@ def test_sigkill_loses_at_most_the_rows_of_the_last_flush_interval(tmp_path):
     assert written <= len(answered)
     old_enough = sum(1 for t in answered if t < killed - FLUSH_INTERVAL_S - slack)
     assert written >= old_enough > 0, (written, old_enough, len(answered))
+
+
+def test_workers_must_be_a_positive_number(tmp_path):
+    done = subprocess.run([*CLI, "gateway", "--upstream", "http://127.0.0.1:1", "--data-dir", str(tmp_path),
+                           "--workers", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--workers" in done.stderr and "Traceback" not in done.stderr
