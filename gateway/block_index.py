@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from engine.block_hash import ROOT_BLOCK_HASH, BlockHash, encode_salt, hash_block_tokens
+from engine.kvcache.block_hash import ROOT_BLOCK_HASH, BlockHash, encode_salt, hash_block_tokens
 
 DEFAULT_HISTORY_CAPACITY = 1 << 16
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.block_hash import BlockHash, hash_block_chain
-from engine.chat import ChatRenderer
+from engine.kvcache.block_hash import BlockHash, hash_block_chain
+from engine.server.chat import ChatRenderer
 from gateway.chat_tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)

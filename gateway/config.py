@@ -24,6 +24,9 @@ from gateway.replica_spec import (
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_INPUT_PRICE = 1.0
+DEFAULT_CACHED_INPUT_PRICE = 0.1
+UPSTREAM_KINDS = ("vllm", "openai")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,10 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    upstream_kind: str | None = None  # None: detected from the upstream URL
+    # The dashboard's cost estimate, in any currency per million prompt tokens.
+    input_price_per_million: float = DEFAULT_INPUT_PRICE
+    cached_input_price_per_million: float = DEFAULT_CACHED_INPUT_PRICE
     upstreams: tuple[ReplicaSpec, ...] = ()  # [[upstreams]]: several replicas (gateway/replica_spec.py)
     routing: RoutingOptions = field(default_factory=RoutingOptions)  # [routing]
 
@@ -164,6 +171,16 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     upstream = server.get("upstream")
     if upstream is not None and not isinstance(upstream, str):
         raise ValueError(f"server.upstream: expected a URL string, got {upstream!r}")
+    upstream_kind = server.get("upstream_kind")
+    if upstream_kind is not None and upstream_kind not in UPSTREAM_KINDS:
+        raise ValueError(f"server.upstream_kind: expected one of {list(UPSTREAM_KINDS)}, got {upstream_kind!r}")
+    input_price = _number(server, "input_price_per_million", DEFAULT_INPUT_PRICE, "server")
+    cached_price = server.get("cached_input_price_per_million", DEFAULT_CACHED_INPUT_PRICE)
+    if isinstance(cached_price, bool) or not isinstance(cached_price, int | float) or not 0 <= cached_price <= input_price:
+        raise ValueError(
+            f"server.cached_input_price_per_million: expected a number from 0 to input_price_per_million, "
+            f"got {cached_price!r}"
+        )
     return GatewayConfig(
         tenants=tenants,
         key_hashes=key_hashes,
@@ -173,17 +190,23 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         max_body_bytes=int(_number(server, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "server")),
         upstream_timeout_s=_number(server, "upstream_timeout_s", 600.0, "server"),
         connect_timeout_s=_number(server, "connect_timeout_s", 5.0, "server"),
+        upstream_kind=upstream_kind,
+        input_price_per_million=input_price,
+        cached_input_price_per_million=float(cached_price),
         upstreams=parse_upstreams_table(data["upstreams"]) if "upstreams" in data else (),
         routing=parse_routing_table(data.get("routing", {})),
     )
 
 
 def load_config(path: Path) -> GatewayConfig:
+    """The config in ``path``; ``ValueError`` (one line) for a missing, unreadable or bad file."""
     try:
         with path.open("rb") as handle:
             data = tomllib.load(handle)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: invalid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
     try:
         return parse_config(data)
     except ValueError as exc:

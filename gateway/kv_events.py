@@ -1,7 +1,7 @@
 """KV-cache events: decoding vLLM's wire format and a subscriber thread per replica.
 
 Wire format (vLLM ``vllm/distributed/kv_events.py``, the same from prefixgate's
-engine, :mod:`engine.kv_event_publisher`): a ZMQ PUB socket sends multipart
+engine, :mod:`engine.server.kv_event_publisher`): a ZMQ PUB socket sends multipart
 messages ``[topic, seq, payload]``; ``seq`` is an 8-byte big-endian counter from
 0; ``payload`` is msgpack of an event batch ``[ts, events, data_parallel_rank]``
 (a map ``{"ts", "events", "data_parallel_rank"}`` is accepted too). Each event is

@@ -1,13 +1,22 @@
 """Prometheus metrics of one gateway app (its own registry, so several apps can
-live in one process)."""
+live in one process).
+
+With several worker processes (``--workers``), the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before it starts them: prometheus_client then keeps
+every value in a memory-mapped file per process, and ``render`` (whichever worker
+answers the scrape) sums the files of all workers, including those that exited.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 
 from gateway.request_record import RequestRecord
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -67,4 +76,9 @@ class GatewayMetrics:
             self.ttft.observe(record.ttft_ms / 1000.0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        return generate_latest(registry)

@@ -47,10 +47,11 @@ FAILURES_TO_LEAVE = 3
 class Replica:
     """One engine replica: its upstream, index, health and counters."""
 
-    def __init__(self, spec: ReplicaSpec, client: httpx.AsyncClient) -> None:
+    def __init__(self, spec: ReplicaSpec, client: httpx.AsyncClient, kind: str = "vllm",
+                 api_key: str | None = None) -> None:
         self.spec = spec
         self.name = spec.name
-        self.upstream = Upstream(spec.url, client)
+        self.upstream = Upstream(spec.url, client, kind=kind, api_key=api_key)
         self.index = ReplicaIndex(has_events=spec.kv_events is not None)
         self.healthy = True
         self.failed_checks = 0
@@ -204,11 +205,14 @@ def load_keyer(options: RoutingOptions) -> BlockKeyer | None:
 
 class ReplicaSet:
     def __init__(self, specs: Sequence[ReplicaSpec], client: httpx.AsyncClient,
-                 options: RoutingOptions | None = None, keyer: BlockKeyer | None = None) -> None:
+                 options: RoutingOptions | None = None, keyer: BlockKeyer | None = None,
+                 kind: str = "vllm", api_key: str | None = None) -> None:
+        """``kind`` and ``api_key``: as :class:`Upstream` takes them, the same for every replica."""
         if not specs:
             raise ValueError("at least one replica is needed")
         self.options = options or RoutingOptions()
-        self.replicas = [Replica(spec, client) for spec in specs]
+        self.kind = kind
+        self.replicas = [Replica(spec, client, kind, api_key) for spec in specs]
         self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
         self._health_task: asyncio.Task[None] | None = None

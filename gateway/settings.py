@@ -11,7 +11,11 @@ from gateway.replica_spec import ReplicaSpec, RoutingOptions
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """``config`` holds the tenants; ``open_mode`` is True when no config file was given."""
+    """``config`` holds the tenants; ``open_mode`` is True when no config file was given.
+
+    ``upstream_kind`` is one of :data:`gateway.upstream_kind.UPSTREAM_KINDS`;
+    ``upstream_api_key`` (never logged) is sent as a bearer token to the upstream.
+    """
 
     upstream: str
     secret: bytes
@@ -20,6 +24,8 @@ class GatewaySettings:
     open_mode: bool = True
     data_dir: Path = Path(".prefixgate")
     stats_batch_size: int = 256
+    upstream_kind: str = "vllm"
+    upstream_api_key: str | None = None
     replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
     routing: RoutingOptions = field(default_factory=RoutingOptions)
 

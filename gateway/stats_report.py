@@ -61,15 +61,19 @@ class HitRate:
         }
 
 
-def _rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
+def read_rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
+    """``request_log`` rows at or after ``since``, streamed in batches (the columns reports use)."""
     query = select(
         request_log.c.time,
         request_log.c.tenant,
         request_log.c.model,
         request_log.c.status,
+        request_log.c.stream,
         request_log.c.prompt_tokens,
         request_log.c.cached_tokens,
         request_log.c.completion_tokens,
+        request_log.c.ttft_ms,
+        request_log.c.warning_codes,
         request_log.c.replica,
         request_log.c.predicted_cached_tokens,
     )
@@ -81,7 +85,7 @@ def _rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
 
 def per_tenant(engine: Engine, since: datetime | None = None) -> dict[str, HitRate]:
     result: dict[str, HitRate] = {}
-    for row in _rows(engine, since):
+    for row in read_rows(engine, since):
         result.setdefault(row.tenant or NO_TENANT, HitRate()).add(row)
     return dict(sorted(result.items()))
 
@@ -90,7 +94,7 @@ def per_tenant_model_hour(
     engine: Engine, since: datetime | None = None
 ) -> dict[tuple[str, str, str], HitRate]:
     result: dict[tuple[str, str, str], HitRate] = {}
-    for row in _rows(engine, since):
+    for row in read_rows(engine, since):
         hour = row.time.strftime("%Y-%m-%d %H:00")
         key = (row.tenant or NO_TENANT, row.model or "-", hour)
         result.setdefault(key, HitRate()).add(row)
@@ -122,7 +126,7 @@ class ReplicaHits(HitRate):
 def per_replica(engine: Engine, since: datetime | None = None) -> dict[str, ReplicaHits]:
     """Hit rates and prediction accuracy per replica (``-`` for rows without one)."""
     result: dict[str, ReplicaHits] = {}
-    for row in _rows(engine, since):
+    for row in read_rows(engine, since):
         result.setdefault(row.replica or "-", ReplicaHits()).add(row)
     return dict(sorted(result.items()))
 

@@ -109,9 +109,20 @@ def parse_json_object(content: bytes) -> dict[str, Any]:
 
 
 class Upstream:
-    def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
+    """One upstream of kind ``vllm`` or ``openai`` (:mod:`gateway.upstream_kind`).
+
+    ``api_key``, when given, goes out as ``Authorization: Bearer`` on every request.
+    Health: ``GET /health`` for vllm; OpenAI has no such route, so ``GET /v1/models``.
+    """
+
+    def __init__(
+        self, base_url: str, client: httpx.AsyncClient, *, kind: str = "vllm", api_key: str | None = None
+    ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.client = client
+        self.kind = kind
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.health_path = "/v1/models" if kind == "openai" else "/health"
 
     async def post(
         self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
@@ -122,7 +133,8 @@ class Upstream:
         """
         try:
             response = await self.client.post(
-                self.base_url + path, content=content, headers=JSON_HEADERS, extensions=_extensions(on_sent)
+                self.base_url + path, content=content, headers={**JSON_HEADERS, **self.auth},
+                extensions=_extensions(on_sent),
             )
         except httpx.HTTPError as exc:
             raise translate(exc) from None
@@ -137,14 +149,14 @@ class Upstream:
 
     async def check_health(self, timeout: float = 5.0) -> None:
         """Return if the upstream's ``/health`` answers 2xx; raise a gateway error otherwise."""
-        await self._get("/health", timeout)
+        await self._get(self.health_path, timeout)
 
     async def _get(self, path: str, timeout: float | None) -> httpx.Response:
         try:
             if timeout is None:
-                response = await self.client.get(self.base_url + path)
+                response = await self.client.get(self.base_url + path, headers=self.auth)
             else:
-                response = await self.client.get(self.base_url + path, timeout=timeout)
+                response = await self.client.get(self.base_url + path, headers=self.auth, timeout=timeout)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         if response.status_code >= 300:
@@ -163,7 +175,7 @@ class Upstream:
         """
         request = self.client.build_request(
             "POST", self.base_url + path, content=content,
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            headers={"content-type": "application/json", "accept": "text/event-stream", **self.auth},
             extensions=_extensions(on_sent),
         )
         try:

@@ -5,6 +5,9 @@
   for a typical request.
 * :func:`compare_requests`: the cross-request rules (PS2xx) for a later request
   of the same conversation or family.
+* :func:`conversation_keys` (and :data:`CONVERSATION_HEADER`): which earlier
+  request a request continues, one definition for the gateway and the linter
+  (:mod:`linter.conversation`).
 * :func:`rule_codes` and :func:`explain`: the registry and each rule's documentation.
 """
 
@@ -14,23 +17,32 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from linter import divergence
+from linter.conversation import CONVERSATION_HEADER, ConversationKeys, conversation_keys
 from linter.finding import Finding
-from linter.registry import all_rules, get_rule
+from linter.registry import all_rules, default_codes, get_rule
 from linter.rule import Options, Rule
 from linter.tokenizer import Tokenizer
 
 IN_MEMORY_PATH = "<request>"
 
+__all__ = [
+    "CONVERSATION_HEADER",
+    "ConversationKeys",
+    "check_request",
+    "compare_requests",
+    "conversation_keys",
+    "explain",
+    "rule_codes",
+]
+
 
 def _request_rules(select: Collection[str] | None, ignore: Collection[str]) -> list[Rule]:
-    chosen = {c.upper() for c in select} if select is not None else None
+    chosen = {c.upper() for c in select} if select is not None else default_codes()
     ignored = {c.upper() for c in ignore}
     return [
         rule
         for code, rule in all_rules().items()
-        if rule.check_request is not None
-        and (chosen is None or code in chosen)
-        and code not in ignored
+        if rule.check_request is not None and code in chosen and code not in ignored
     ]
 
 
@@ -43,7 +55,8 @@ def check_request(
 ) -> list[Finding]:
     """PS1xx findings for one request body (``path`` is ``"<request>"``, no line or column).
 
-    ``select`` limits the rules to those codes, ``ignore`` drops codes, and
+    ``select`` names the rules (default: the default selection, which leaves out
+    the opt-in hygiene rules PS102-PS106), ``ignore`` drops codes, and
     ``allowlist`` holds regexes of values PS101 accepts. Malformed parts of the
     body are skipped; a body that is not a mapping yields no findings.
     """
@@ -66,20 +79,24 @@ def compare_requests(
     *,
     tokenizer: Tokenizer | None = None,
     same_conversation: bool | None = None,
+    edits: bool = True,
 ) -> list[Finding]:
     """PS2xx findings: where ``current`` stops extending ``previous``'s prefix, and why.
 
-    ``current`` is a later turn of the same conversation (same first non-system
-    message: its whole history should extend ``previous``) or of the same family
-    (only the tools, response format and leading instructions should match).
+    ``current`` is a later turn of the same conversation (:func:`conversation_keys`:
+    its whole history should extend ``previous``) or of the same family (only the
+    tools, response format and leading instructions should match).
     ``same_conversation`` overrides that inference (pass True when the caller
-    knows, e.g. from a conversation header, that both are turns of one
-    conversation: then a history truncated at its start is reported too).
-    ``tokens_lost`` is estimated with ``tokenizer`` (default: the approximation).
+    found ``previous`` through :func:`conversation_keys`, e.g. by a conversation
+    header: then a history truncated at its start is reported too).
+    ``edits`` False skips a history that merely differs (pass
+    ``not keys.shared``: a shared ``prompt_cache_key`` may name many
+    conversations). ``tokens_lost`` is estimated with ``tokenizer`` (default:
+    the approximation).
     """
     if not isinstance(previous, Mapping) or not isinstance(current, Mapping):
         return []
-    result = divergence.compare(previous, current, tokenizer=tokenizer, same_conversation=same_conversation)
+    result = divergence.compare(previous, current, tokenizer=tokenizer, same_conversation=same_conversation, edits=edits)
     if result is None:
         return []
     rule = get_rule(result.code)

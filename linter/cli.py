@@ -19,6 +19,7 @@ examples:
   prefixgate lint logs/ src/prompts/ --format sarif > prefixgate.sarif
   prefixgate lint requests.jsonl --tokenizer bundled --cache-blocks 4096 --statistics
   prefixgate lint src/ --select PS3 --ignore PS305 --fail-on error
+  prefixgate lint logs/ --extend-select PS104,PS106      # add opt-in hygiene rules
   prefixgate lint logs/ --baseline .prefixgate-baseline.json --update-baseline
   prefixgate lint --explain PS101
   prefixgate lint --list-rules
@@ -39,7 +40,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("paths", nargs="*", help="request logs (.json, .jsonl, .ndjson), Python files or directories")
     parser.add_argument("--format", choices=("text", "json", "sarif", "github", "junit"), default="text", help="output format (default: text)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout")
-    parser.add_argument("--select", metavar="CODES", help="comma-separated codes or prefixes to enable (e.g. PS1,PS301)")
+    parser.add_argument("--select", metavar="CODES", help="comma-separated codes or prefixes to enable instead of the default rules (e.g. PS1,PS301; ALL for every rule)")
+    parser.add_argument("--extend-select", metavar="CODES", help="comma-separated codes or prefixes to enable in addition (e.g. the opt-in PS104,PS106)")
     parser.add_argument("--ignore", metavar="CODES", help="comma-separated codes or prefixes to disable")
     parser.add_argument("--fail-on", choices=("error", "warning", "info", "never"), help="lowest severity that makes the exit code 1 (default: warning)")
     parser.add_argument("--statistics", action="store_true", help="add a count of findings per rule")

@@ -23,6 +23,8 @@ def _config(args: argparse.Namespace) -> LintConfig:
     config = load_config(Path(args.config) if args.config else None, Path.cwd())
     if args.select:
         config.select = expand_codes(_codes(args.select))
+    if args.extend_select:
+        config.select |= expand_codes(_codes(args.extend_select))
     if args.ignore:
         config.ignore |= expand_codes(_codes(args.ignore))
     if args.fail_on:

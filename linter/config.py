@@ -3,7 +3,8 @@
 Keys (all optional)::
 
     [tool.prefixgate.lint]
-    select = ["PS1", "PS2", "PS301"]      # codes or prefixes; default: all rules
+    select = ["PS1", "PS2", "PS301"]      # codes or prefixes; default: the default rules
+    extend-select = ["PS104"]             # added to select (opt-in hygiene rules)
     ignore = ["PS106"]
     fail-on = "warning"                     # error | warning | info | never
     allowlist = ["^2024-01-01$"]            # regexes of volatile-looking values to accept
@@ -11,6 +12,8 @@ Keys (all optional)::
     cache-blocks = 100000                   # LRU capacity of the replay, in blocks
     tokenizer = "bundled"                   # or a tokenizer.json path
     baseline = "prefixgate-baseline.json"
+    exclude = ["test_*.py", "*_test.py", "tests/*", "conftest.py"]   # the default
+    extend-exclude = ["vendor/*"]
 
     [tool.prefixgate.lint.per-file-ignores]
     "examples/legacy/*.py" = ["PS305"]
@@ -19,7 +22,11 @@ Keys (all optional)::
     PS104 = "error"
 
 Unknown keys, unknown codes and wrong types raise ValueError (exit code 2 in the
-CLI). Command-line ``--select``/``--ignore`` replace/extend the file's values.
+CLI). Command-line ``--select``/``--extend-select``/``--ignore`` replace/extend
+the file's values. ``exclude`` (glob patterns over the path or the file name)
+skips Python files found in directories: test files by default, like a
+per-file ignore of every source rule; a file named on the command line is
+always linted.
 """
 
 from __future__ import annotations
@@ -33,15 +40,19 @@ from pathlib import Path
 from typing import Any
 
 from linter.finding import SEVERITIES
-from linter.registry import all_rules, expand_codes
+from linter.registry import default_codes, expand_codes
 
 FAIL_ON = (*SEVERITIES, "never")
-_KEYS = {"select", "ignore", "fail-on", "allowlist", "block-size", "cache-blocks", "tokenizer", "baseline", "per-file-ignores", "severity"}
+_KEYS = {
+    "select", "extend-select", "ignore", "fail-on", "allowlist", "block-size", "cache-blocks", "tokenizer",
+    "baseline", "per-file-ignores", "severity", "exclude", "extend-exclude",
+}
+DEFAULT_EXCLUDE: tuple[str, ...] = ("test_*.py", "*_test.py", "tests/*", "*/tests/*", "conftest.py")
 
 
 @dataclass
 class LintConfig:
-    select: set[str] = field(default_factory=lambda: set(all_rules()))
+    select: set[str] = field(default_factory=default_codes)
     ignore: set[str] = field(default_factory=set)
     fail_on: str = "warning"
     allowlist: tuple[str, ...] = ()
@@ -51,6 +62,7 @@ class LintConfig:
     baseline: str | None = None
     per_file_ignores: dict[str, set[str]] = field(default_factory=dict)
     severity: dict[str, str] = field(default_factory=dict)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     source: str | None = None  # the pyproject.toml it came from
 
     def enabled(self) -> set[str]:
@@ -63,6 +75,11 @@ class LintConfig:
             if fnmatch.fnmatch(posix, pattern) or fnmatch.fnmatch(Path(path).name, pattern):
                 out |= codes
         return out
+
+    def excludes(self, path: Path) -> bool:
+        """Whether a Python file found in a directory is skipped (``exclude`` patterns)."""
+        posix = path.as_posix()
+        return any(fnmatch.fnmatch(posix, p) or fnmatch.fnmatch(path.name, p) for p in self.exclude)
 
     def severity_of(self, code: str, default: str) -> str:
         return self.severity.get(code, default)
@@ -102,8 +119,14 @@ def from_table(table: Mapping[str, Any], source: str | None = None) -> LintConfi
     config = LintConfig(source=source)
     if "select" in table:
         config.select = expand_codes(_strings(table["select"], "select"))
+    if "extend-select" in table:
+        config.select |= expand_codes(_strings(table["extend-select"], "extend-select"))
     if "ignore" in table:
         config.ignore = expand_codes(_strings(table["ignore"], "ignore"))
+    if "exclude" in table:
+        config.exclude = tuple(_strings(table["exclude"], "exclude"))
+    if "extend-exclude" in table:
+        config.exclude += tuple(_strings(table["extend-exclude"], "extend-exclude"))
     if "fail-on" in table:
         config.fail_on = check_fail_on(table["fail-on"])
     if "allowlist" in table:

@@ -11,8 +11,14 @@ repeat, and names the cause at that point, in this order:
 5. a tool call's arguments differ only in key order or spacing -> PS203;
 6. otherwise the history was edited or truncated instead of appended -> PS204.
 
-What should be repeated: for a later turn of the same conversation (same
-``metadata.conversation_id``, or else the same first non-system message) everything up to the end of ``previous``'s last message; for
+Messages name a whitespace-only change (tools, instructions) and tool results
+that were only reordered, the causes the opt-in rules PS106 and PS105 check in
+single requests. A divergence that costs no full block of the earlier prompt
+(inside its last partial block) is not reported: nothing reusable was lost.
+
+What should be repeated: for a later turn of the same conversation (as
+:mod:`linter.conversation` defines it) everything up to the end of
+``previous``'s last message; for
 another request of the same family, the tools, ``tool_choice``,
 ``response_format`` and leading system/developer messages.
 """
@@ -26,6 +32,7 @@ from typing import Any, TypeVar
 
 from linter import chat_request
 from linter.canonical_json import canonical_text, parse_json, sort_keys, tool_names
+from linter.conversation import conversation_keys
 from linter.render import Rendered, Segment, render
 from linter.tokenizer import ApproxTokenizer, Tokenizer
 from linter.volatile import find_volatile
@@ -71,26 +78,14 @@ def common_prefix_len(a: T, b: T) -> int:
     return lo
 
 
-def first_turn(body: Mapping[str, Any]) -> Any:
-    """The first non-system/developer message (identifies a conversation), or None."""
-    for _, message in chat_request.messages(body):
-        if chat_request.role(message) not in chat_request.STATIC_ROLES:
-            return message
-    return None
-
-
-def _conversation_id(body: Mapping[str, Any]) -> str | None:
-    metadata = body.get("metadata")
-    value = metadata.get("conversation_id") if isinstance(metadata, (dict, Mapping)) else None
-    return value if isinstance(value, str) and value else None
-
-
 def is_same_conversation(previous: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-    """Same ``metadata.conversation_id`` when both name one, else the same first non-system message."""
-    a, b = _conversation_id(previous), _conversation_id(current)
-    if a is not None and b is not None:
-        return a == b
-    return first_turn(previous) is not None and first_turn(previous) == first_turn(current)
+    """Whether ``current`` continues ``previous``'s conversation (:mod:`linter.conversation`)."""
+    a, b = conversation_keys(previous), conversation_keys(current)
+    if a is None or b is None:
+        return False
+    if a.explicit or b.explicit:
+        return a.explicit and b.explicit and a.remember == b.remember
+    return a.remember in b.lookup
 
 
 def _encode(rendered: Rendered, end: int, tokenizer: Tokenizer) -> list[int]:
@@ -134,6 +129,8 @@ def _tools_cause(previous: Mapping[str, Any], current: Mapping[str, Any], locati
             if sort_keys(raw_a[i]) == sort_keys(raw_b[i]):
                 return "PS203", f"tools[{i}] has the same content but a different JSON key order"
             name = chat_request.tool_name(raw_a[i]) if isinstance(raw_a[i], (dict, Mapping)) else ""
+            if _whitespace_only(raw_a[i], raw_b[i]):
+                return "PS202", f"definition of tool {name or i!r} changed only in whitespace (normalize it, see PS106)"
             return "PS202", f"definition of tool {name or i!r} changed"
     return "PS202", "tool definitions changed"
 
@@ -150,6 +147,8 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     before = _message(previous, index)
     after = _message(current, index)
     if before is not None and chat_request.role(before) in chat_request.STATIC_ROLES:
+        if after is not None and _whitespace_only(chat_request.content_text(before), chat_request.content_text(after)):
+            return "PS206", f"system/developer message messages[{index}] changed only in whitespace (normalize it, see PS106)"
         return "PS206", f"system/developer message messages[{index}] changed"
     if seg.kind == "tool_call" and before is not None and after is not None:
         calls_a, calls_b = chat_request.tool_calls(before), chat_request.tool_calls(after)
@@ -160,14 +159,41 @@ def _history_cause(previous: Mapping[str, Any], current: Mapping[str, Any], inde
     assert isinstance(prev_msgs, list) and isinstance(cur_msgs, list)
     if index >= len(cur_msgs):
         return "PS204", f"history truncated: the earlier request had messages[{index}], this one stops before it"
-    later = prev_msgs[index + 1 :]  # prefixgate: noqa: PS305 (analysis, not prompt building)
+    if isinstance(cur_msgs[index], Mapping) and cur_msgs[index].get("role") == "tool":
+        run_a, run_b = _tool_run(prev_msgs, index), _tool_run(cur_msgs, index)
+        if run_a != run_b and sorted(map(canonical_text, run_a)) == sorted(map(canonical_text, run_b)):
+            return "PS204", f"tool results reordered at messages[{index}] (append them in tool_calls order, see PS105)"
+    later = prev_msgs[index + 1 :]
     if later and cur_msgs[index] in later:
         dropped = later.index(cur_msgs[index]) + 1
         return "PS204", f"history truncated in the middle: {dropped} earlier message(s) dropped at messages[{index}]"
-    hint = ""
-    if _conversation_id(previous) is None and before is not None and chat_request.role(before) == "assistant":
-        hint = " (or another conversation with the same first message: set metadata.conversation_id or user)"
-    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to{hint}"
+    return "PS204", f"history edited: messages[{index}] differs from the earlier request instead of being appended to"
+
+
+def _whitespace_only(a: Any, b: Any) -> bool:
+    """Whether two texts (or JSON values) differ only in whitespace inside strings."""
+
+    def squash(value: Any) -> Any:
+        if isinstance(value, str):
+            return " ".join(value.split())
+        if isinstance(value, Mapping):
+            return {k: squash(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [squash(v) for v in value]
+        return value
+
+    return a != b and squash(a) == squash(b)
+
+
+def _tool_run(messages: list[Any], index: int) -> list[Any]:
+    """The consecutive tool messages around ``index`` (the results of one parallel call)."""
+    start = index
+    while start > 0 and isinstance(messages[start - 1], Mapping) and messages[start - 1].get("role") == "tool":
+        start -= 1
+    end = index
+    while end < len(messages) and isinstance(messages[end], Mapping) and messages[end].get("role") == "tool":
+        end += 1
+    return messages[start:end]
 
 
 def _args(call: Mapping[str, Any]) -> Any:
@@ -209,10 +235,13 @@ def compare(
     block_size: int = DEFAULT_BLOCK_SIZE,
     rendered: Sequence[Rendered] | None = None,
     same_conversation: bool | None = None,
+    edits: bool = True,
 ) -> Divergence | None:
     """The first divergence of ``current`` from ``previous`` (see the module docstring), or None.
 
     ``same_conversation`` None means: infer it with :func:`is_same_conversation`.
+    ``edits`` False leaves out a history that only differs (PS204 "history
+    edited"), for a conversation named by a shared ``prompt_cache_key``.
     """
     pr, cr = rendered if rendered is not None else (render(previous), render(current))
     if same_conversation is None:
@@ -225,9 +254,13 @@ def compare(
         # Extends the earlier prompt, or is itself a prefix of it (a retry or a branch).
         return None
     code, why, seg = _classify(previous, current, pr, cr, offset)
+    if code == "PS204" and not edits and why.startswith("history edited"):
+        return None
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
+    if lost == 0:
+        return None  # inside the last partial block: nothing that could have been reused is lost
     scope = "conversation" if same_conversation else "request family"
     needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
-    message = f"{why}; the {scope}'s shared prefix breaks here ({lost} tokens lost)"
+    message = f"{why}; the {scope}'s shared prefix breaks here"
     return Divergence(code, message, location, offset, lost, needle or None)

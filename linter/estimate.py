@@ -5,6 +5,13 @@ order through :class:`~linter.replay.PrefixCacheReplay`. A rule's fix is applied
 to its target bodies (fixes return the body itself when they do not apply, so
 unchanged bodies reuse their block hashes); "all fixes" applies every given fix
 in code order. Rates are cached prompt tokens over prompt tokens.
+
+Per rule the estimate also keeps which requests the fix changed and how many
+more tokens each request hit with it (``RuleGain.deltas``, also for requests
+the fix did not change but that now reuse a fixed predecessor): the runner
+gives those numbers to the rule's findings as ``tokens_lost``, so a rule's
+findings and its row of the table are one measurement. A fix that changes no
+request says so (``applies`` False) instead of showing a gain of zero.
 """
 
 from __future__ import annotations
@@ -22,10 +29,18 @@ from linter.tokenizer import ApproxTokenizer, Tokenizer
 
 @dataclass(frozen=True)
 class RuleGain:
+    """The replay with one rule's fix: ``changed`` requests, ``deltas`` (request -> extra cached tokens, non-zero only)."""
+
     code: str
     hit_rate_after: float
     cached_tokens_after: int
     tokens_gained: int
+    changed: frozenset[int]
+    deltas: dict[int, int]
+
+    @property
+    def applies(self) -> bool:
+        return bool(self.changed)
 
 
 @dataclass(frozen=True)
@@ -98,24 +113,37 @@ class Prompts:
         return len(ids), self._hashes(rendered, ids)
 
 
-def _replay(prompts: Sequence[Prompt], block_size: int, capacity: int | None) -> PrefixCacheReplay:
+def _replay(prompts: Sequence[Prompt], block_size: int, capacity: int | None) -> tuple[PrefixCacheReplay, list[int]]:
+    """The replay and each prompt's hit in tokens."""
     replay = PrefixCacheReplay(block_size, capacity)
-    for num_tokens, hashes in prompts:
-        replay.add_hashes(num_tokens, hashes)
-    return replay
+    hits = [replay.add_hashes(num_tokens, hashes) for num_tokens, hashes in prompts]
+    return replay, hits
+
+
+def _fresh(fix: Fix) -> Fix:
+    """A new instance of a stateful fix (one that remembers earlier requests, :mod:`linter.first_seen`)."""
+    fresh = getattr(fix, "fresh", None)
+    return fresh() if callable(fresh) else fix
 
 
 def _fixed(
     bodies: Sequence[Body], base: Sequence[Prompt], fixes: Sequence[tuple[Fix, set[int] | None]], make: Prompts
-) -> list[Prompt]:
+) -> tuple[list[Prompt], list[int]]:
+    """The prompts with the fixes applied, and the indices of the bodies they changed."""
     out: list[Prompt] = []
+    changed: list[int] = []
+    fixes = [(_fresh(fix), where) for fix, where in fixes]
     for i, (body, prompt) in enumerate(zip(bodies, base, strict=True)):
         fixed = body
         for fix, where in fixes:
             if where is None or i in where:
                 fixed = fix(fixed)
-        out.append(prompt if fixed is body else make.of(fixed))
-    return out
+        if fixed is body:
+            out.append(prompt)
+        else:
+            changed.append(i)
+            out.append(make.of(fixed))
+    return out, changed
 
 
 def estimate(
@@ -137,14 +165,17 @@ def estimate(
     if base is None:
         base = [make.of(body) for body in bodies]
     where = dict(targets or {})
-    now = _replay(base, block_size, capacity_blocks)
+    now, hits_now = _replay(base, block_size, capacity_blocks)
     gains: list[RuleGain] = []
     for code in sorted(fixes):
-        after = _replay(_fixed(bodies, base, [(fixes[code], where.get(code))], make), block_size, capacity_blocks)
-        gains.append(RuleGain(code, after.hit_rate, after.hit_tokens, after.hit_tokens - now.hit_tokens))
+        prompts, changed = _fixed(bodies, base, [(fixes[code], where.get(code))], make)
+        after, hits = _replay(prompts, block_size, capacity_blocks)
+        deltas = {i: h - h0 for i, (h, h0) in enumerate(zip(hits, hits_now, strict=True)) if h != h0}
+        gain = RuleGain(code, after.hit_rate, after.hit_tokens, after.hit_tokens - now.hit_tokens, frozenset(changed), deltas)
+        gains.append(gain)
     if fixes:
         every = [(fixes[c], where.get(c)) for c in sorted(fixes)]
-        total = _replay(_fixed(bodies, base, every, make), block_size, capacity_blocks)
+        total, _ = _replay(_fixed(bodies, base, every, make)[0], block_size, capacity_blocks)
     else:
         total = now
     return Estimate(

@@ -31,6 +31,11 @@ def all_rules() -> dict[str, Rule]:
     return dict(sorted(rules.items()))
 
 
+def default_codes() -> set[str]:
+    """The codes of the default selection (rules with ``default=True``)."""
+    return {code for code, rule in all_rules().items() if rule.default}
+
+
 def get_rule(code: str) -> Rule:
     """The rule with ``code`` (case-insensitive); ValueError for an unknown code."""
     rule = all_rules().get(code.upper())

@@ -2,10 +2,14 @@
 
 A **family** is the requests that should share the static prefix: the same model
 and the same leading system/developer instructions once volatile values are
-masked (so requests that differ only by a timestamp still group together). A
-**conversation** is the requests of a family with the same first non-system
-message and ``user`` field, or, when the body names one, the same
-``metadata.conversation_id`` (which survives a history truncated at its start).
+masked, and user data (emails, phone numbers, labelled user fields) too, and
+whitespace collapsed (so requests that differ only by a timestamp, a user's
+email or stray whitespace still group together, and the difference is reported
+as PS201 or PS206 where it costs). A
+**conversation** is defined once, in :mod:`linter.conversation` (the gateway uses
+the same definition): an explicit id (``metadata.conversation_id``,
+``prompt_cache_key``), or else a later request whose messages extend an earlier
+one's. Never the first user message alone.
 
 :meth:`RequestFamilies.add` compares a request with the latest earlier request
 of its conversation (the whole history should be repeated), or else with the
@@ -20,15 +24,22 @@ per conversation.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
-import orjson
-
 from linter import chat_request
-from linter.divergence import DEFAULT_BLOCK_SIZE, Divergence, compare, first_turn
+from linter.conversation import conversation_keys
+from linter.divergence import DEFAULT_BLOCK_SIZE, Divergence, compare
 from linter.render import Rendered, render
+from linter.rules.ps102 import mask_user_data
 from linter.tokenizer import Tokenizer
 from linter.volatile import mask_volatile_cached
+
+
+@lru_cache(maxsize=4096)
+def _family_text(text: str, allowlist: tuple[str, ...]) -> str:
+    """Instructions with volatile values and user data masked and whitespace collapsed."""
+    return " ".join(mask_user_data(mask_volatile_cached(text, allowlist)).split())
 
 
 def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashable:
@@ -36,23 +47,8 @@ def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashab
     for _, message in chat_request.messages(body):
         if chat_request.role(message) not in chat_request.STATIC_ROLES:
             break
-        instructions.append(mask_volatile_cached(chat_request.content_text(message), tuple(allowlist)))
+        instructions.append(_family_text(chat_request.content_text(message), tuple(allowlist)))
     return (str(body.get("model")), tuple(instructions))
-
-
-def conversation_key(body: Mapping[str, Any], family: Hashable) -> Hashable | None:
-    metadata = body.get("metadata")
-    conversation_id = metadata.get("conversation_id") if isinstance(metadata, (dict, Mapping)) else None
-    if isinstance(conversation_id, str) and conversation_id:
-        return (family, "id", conversation_id)
-    turn = first_turn(body)
-    if turn is None:
-        return None
-    try:
-        turn_text = orjson.dumps(turn, option=orjson.OPT_SORT_KEYS)
-    except (TypeError, orjson.JSONEncodeError):
-        return None
-    return (family, "turn", turn_text, str(body.get("user")))
 
 
 class RequestFamilies:
@@ -68,18 +64,30 @@ class RequestFamilies:
     def add(self, body: Mapping[str, Any], rendered: Rendered | None = None) -> Divergence | None:
         """The divergence of ``body`` from its predecessor, or None (also for the first of a group)."""
         family = family_key(body, self._allowlist)
-        conversation = conversation_key(body, family)
+        keys = conversation_keys(body)
         if rendered is None:
             rendered = render(body)
-        previous = self._last.get(conversation) if conversation is not None else None
+        previous = None
+        if keys is not None:
+            for key in keys.lookup:
+                previous = self._last.get(key) if keys.explicit else self._last.pop(key, None)
+                if previous is not None:
+                    break
+        same_conversation = previous is not None
         if previous is None:
             previous = self._first.get(family)
         result = None
         if previous is not None:
             result = compare(
-                previous[0], body, tokenizer=self._tokenizer, block_size=self._block_size, rendered=(previous[1], rendered)
+                previous[0],
+                body,
+                tokenizer=self._tokenizer,
+                block_size=self._block_size,
+                rendered=(previous[1], rendered),
+                same_conversation=same_conversation,
+                edits=not (same_conversation and keys is not None and keys.shared),
             )
         self._first.setdefault(family, (body, rendered))
-        if conversation is not None:
-            self._last[conversation] = (body, rendered)
+        if keys is not None:
+            self._last[keys.remember] = (body, rendered)
         return result

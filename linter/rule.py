@@ -10,6 +10,12 @@ which defines ``RULE``. A rule has one scope:
   should share a prefix diverge; the module holds documentation (and a fix);
 * ``source`` (PS3xx): ``check_source(tree, options)`` yields hits for a Python AST.
 
+``default`` says whether the rule is in the default selection. Default rules
+report only breaks that happened in the input (measured by comparing requests)
+or that are certain by construction (a volatile value inside the instructions);
+the others are hygiene checks, selected explicitly (``--select``,
+``--extend-select``), that also report consistent but non-canonical input.
+
 ``fix(body)`` (optional) returns the body as it would be with the rule's advice
 applied (the same object when nothing changes); the hit-rate estimate replays the
 corpus through it.
@@ -68,6 +74,7 @@ class Rule:
     check_source: SourceCheck | None = field(default=None, compare=False)
     fix: Fix | None = field(default=None, compare=False)
     fix_everywhere: bool = False  # apply the fix to every request, not only where findings are
+    default: bool = True  # in the default selection (see the module docstring)
 
     def __post_init__(self) -> None:
         assert self.scope in ("request", "corpus", "source"), self.scope

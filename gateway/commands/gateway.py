@@ -9,11 +9,12 @@ from typing import Any
 from gateway.launcher import add_common_options
 from gateway.replica_spec import add_routing_options
 
-EPILOG = """example:
-  prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000
+EPILOG = """examples:
+  prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000 --workers 2
   prefixgate gateway --upstream http://127.0.0.1:8001,events=tcp://127.0.0.1:5557 \
                      --upstream http://127.0.0.1:8002,events=tcp://127.0.0.1:5567   # see docs/routing.md
   # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
+  OPENAI_API_KEY=sk-... prefixgate gateway --upstream https://api.openai.com/v1 --upstream-kind openai
 """
 
 
@@ -29,21 +30,49 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--upstream", action="append", default=[],
                         help="upstream base URL, e.g. http://127.0.0.1:8001; repeat it for several replicas, "
                         "optionally with ,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT]")
+    parser.add_argument(
+        "--upstream-kind", choices=["vllm", "openai"], default=None,
+        help="vllm: send cache_salt (vLLM, SGLang, prefixgate engine); openai: send a derived "
+        "prompt_cache_key instead (OpenAI's API). Default: openai for api.openai.com, else vllm",
+    )
+    parser.add_argument(
+        "--workers", type=_positive, default=None,
+        help="worker processes sharing the port, stats, metrics and warning history (default: the number of cores)",
+    )
     add_common_options(parser)
     add_routing_options(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.ports import ensure_free
     from gateway.replica_spec import parse_upstream_arg
+    from gateway.supervisor import default_workers
+    from gateway.upstream_kind import API_KEY_ENV, resolve_kind
 
     try:
+        ensure_free(args.host, args.port, "gateway")
         replicas = [parse_upstream_arg(value, i) for i, value in enumerate(args.upstream)]
         settings = build_settings(args, None, replicas)
+        kind = resolve_kind(args.upstream_kind or settings.config.upstream_kind, settings.upstream)
+        api_key = os.environ.get(API_KEY_ENV) or (os.environ.get("OPENAI_API_KEY") if kind == "openai" else None)
+        if kind == "openai" and not api_key:
+            raise ValueError(f"--upstream-kind openai needs an API key: set OPENAI_API_KEY or {API_KEY_ENV}")
     except ValueError as exc:
         return fail(str(exc))
+    settings = dataclasses.replace(settings, upstream_kind=kind, upstream_api_key=api_key)
+    workers = args.workers if args.workers is not None else default_workers()
     # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.
     with contextlib.suppress(KeyboardInterrupt):
-        run_gateway(settings, args.host, args.port, args.log_level)
+        return run_gateway(settings, args.host, args.port, args.log_level, workers)
     return 0
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)

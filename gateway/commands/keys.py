@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from gateway.config_editor import add_key_hash
 
     if args.admin == (args.tenant is not None):
-        print("prefixgate keys create: give a TENANT name or --admin (not both)")
+        print("prefixgate keys create: error: give a TENANT name or --admin (not both)", file=sys.stderr)
         return 2
     if args.tenant is not None and not NAME_PATTERN.match(args.tenant):
-        print(f"prefixgate keys create: invalid tenant name {args.tenant!r} (letters, digits, '_.-')")
+        print(f"prefixgate keys create: error: invalid tenant name {args.tenant!r} (letters, digits, '_.-')",
+              file=sys.stderr)
         return 2
     key = generate_key()
     key_hash = hash_key(key)
@@ -49,12 +51,20 @@ def run(args: argparse.Namespace) -> int:
     if args.config is not None:
         try:
             add_key_hash(args.config, args.tenant, key_hash)
-        except ValueError as exc:
-            print(f"prefixgate keys create: {exc}")
+        except (ValueError, OSError) as exc:
+            # The key exists now: say how to add its hash by hand, then the one error line.
+            _print_config_lines(args.tenant, key_hash)
+            message = exc if isinstance(exc, ValueError) else f"{args.config}: {exc.strerror or exc}"
+            print(f"prefixgate keys create: error: {message}", file=sys.stderr)
             return 2
         print(f"added its hash to {args.config}")
-    elif args.admin:
+    else:
+        _print_config_lines(args.tenant, key_hash)
+    return 0
+
+
+def _print_config_lines(tenant: str | None, key_hash: str) -> None:
+    if tenant is None:
         print(f'add to your config under [server]:\nadmin_keys = ["{key_hash}"]')
     else:
-        print(f'add to your config:\n[tenants.{args.tenant}]\nkeys = ["{key_hash}"]')
-    return 0
+        print(f'add to your config:\n[tenants.{tenant}]\nkeys = ["{key_hash}"]')

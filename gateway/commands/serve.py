@@ -20,7 +20,8 @@ def add_parser(subparsers: Any) -> None:
         "serve",
         help="start the bundled engine and the gateway in front of it",
         description="Start 'prefixgate engine' as a child process, wait until it is healthy, "
-        "then run the gateway in front of it. Ctrl-C stops both.",
+        "then run the gateway in front of it. Ctrl-C stops both. The engine answers only the "
+        "gateway: it gets a random API key for this run, which only the gateway is given.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -48,19 +49,32 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
     import os
+    import secrets
     import signal
 
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.ports import ensure_free
     from gateway.replica_spec import local_replicas
 
     try:
+        api_key = secrets.token_urlsafe(32)
+        # Both ports before anything starts: a port taken by another engine would
+        # otherwise answer our health check, and the gateway would die later.
         replicas = local_replicas(args.replicas, args.engine_port, args.kv_events_port)
-        engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra])
+        engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra], api_key=api_key)
                    for i, (extra, _) in enumerate(replicas)]
-        settings = build_settings(args, engines[0].url, [spec for _, spec in replicas])
+        if args.port in range(args.engine_port, args.engine_port + len(engines)):
+            raise ValueError(f"--port {args.port} is one of the engines' ports: give them different ports")
+        ensure_free(args.host, args.port, "gateway")
+        for engine in engines:
+            ensure_free(engine.host, engine.port, "engine")
+        # The engines get one random per-run key; only the gateway holds it (engine_process.py).
+        settings = dataclasses.replace(build_settings(args, engines[0].url, [spec for _, spec in replicas]),
+                                       upstream_api_key=api_key)
     except ValueError as exc:
         return fail(str(exc))
     log = logging.getLogger("prefixgate.serve")

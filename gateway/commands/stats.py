@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ EPILOG = """examples:
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "stats", help="print prefix-cache hit rates per tenant, model and hour",
-        description="Hit rate = cached / prompt tokens, over requests whose upstream reported cached tokens.",
+        description="Hit rate = cached / prompt tokens, over requests whose upstream reported cached tokens. "
+        "Reads the database read-only and never creates one.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--data-dir", type=Path, default=None, help="directory of prefixgate.db")
@@ -33,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     import orjson
 
-    from gateway import database
-    from gateway.commands.db import resolve_db_url
+    from gateway.commands.db import open_existing, resolve_db_url
     from gateway.stats_report import format_table, per_tenant_model_hour
 
     since = None
@@ -42,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             since = datetime.fromisoformat(args.since).replace(tzinfo=None)
         except ValueError:
-            print(f"prefixgate stats: --since: not an ISO 8601 time: {args.since!r}")
-            return 2
-    url = resolve_db_url(args)
-    database.upgrade(url)
-    engine = database.create_db_engine(url)
+            return _fail(f"--since: not an ISO 8601 time: {args.since!r}")
+    try:
+        engine = open_existing(resolve_db_url(args))
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         if args.by == "replica":
             return _print_replicas(engine, since, args.format)
@@ -64,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(groups))
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"prefixgate stats: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _print_replicas(engine: Any, since: Any, output: str) -> int:

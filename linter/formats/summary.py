@@ -25,14 +25,41 @@ def summary(report: LintReport) -> dict[str, Any]:
         "hit_rate": round(est.hit_rate, 6) if est else None,
         "cached_tokens_after_fixes": est.cached_tokens_after_fixes if est else 0,
         "hit_rate_after_fixes": round(est.hit_rate_after_fixes, 6) if est else None,
-        "per_rule": [
-            {"code": g.code, "hit_rate_after": round(g.hit_rate_after, 6), "tokens_gained": g.tokens_gained}
-            for g in (est.per_rule if est else ())
-        ],
+        "per_rule": _per_rule(report),
         "tokenizer": est.tokenizer if est else None,
         "block_size": est.block_size if est else None,
         "capacity_blocks": est.capacity_blocks if est else None,
     }
+
+
+def per_rule_losses(report: LintReport) -> dict[str, int]:
+    """Tokens lost summed per code of the findings from request logs (codes sorted)."""
+    lost: dict[str, int] = {}
+    for f in report.findings:
+        if not f.location.startswith("line "):
+            lost[f.code] = lost.get(f.code, 0) + (f.tokens_lost or 0)
+    return dict(sorted(lost.items()))
+
+
+def _per_rule(report: LintReport) -> list[dict[str, Any]]:
+    """Each code found in the logs: its fix's replay, or why there is none (never a bare 0)."""
+    if report.estimate is None:
+        return []
+    gains = {g.code: g for g in report.estimate.per_rule}
+    rows: list[dict[str, Any]] = []
+    for code, lost in per_rule_losses(report).items():
+        gain = gains.get(code)
+        row: dict[str, Any] = {"code": code, "tokens_lost": lost}
+        count, unrepaired_lost = report.unrepaired.get(code, (0, 0))
+        if gain is not None and gain.applies:
+            row.update(hit_rate_after=round(gain.hit_rate_after, 6), tokens_gained=gain.tokens_gained, fix="applied")
+        else:
+            row.update(hit_rate_after=None, tokens_gained=None, fix="does not apply" if gain is not None else "none")
+        if gain is not None:
+            row["not_repaired"] = {"findings": count, "tokens_lost": unrepaired_lost}
+            row["tokens_gained_without_finding"] = report.gained_elsewhere.get(code, 0)
+        rows.append(row)
+    return rows
 
 
 def statistics(report: LintReport) -> list[dict[str, Any]]:

@@ -16,6 +16,10 @@ Better
     {"role": "system", "content": "You help the customer described in the first message."},
     {"role": "user", "content": "Customer: Ada Lovelace <ada@example.com>, id 88412\\n\\n..."}
 
+Opt-in hygiene rule (``--extend-select PS102``): an email or a name in the
+instructions may be the same in every request (a support address), so it is
+not a break by itself. In the default rules, requests of one application whose
+instructions differ are reported where they differ (PS206, PS201).
 Detected: email addresses, phone numbers, labelled user fields ("user id:",
 "customer name is ..."), and the request's own ``user`` field value.
 Fix used by the estimate: the values are moved after the stable prefix.
@@ -59,6 +63,20 @@ def _pattern_spans(text: str) -> tuple[tuple[int, int, str], ...]:
     if any(word in lower for word in _FIELD_WORDS):
         spans += [(m.start(), m.end(), "user field") for m in _FIELD.finditer(text)]
     return tuple(spans)
+
+
+@lru_cache(maxsize=4096)
+def mask_user_data(text: str) -> str:
+    """``text`` with every email, phone number and labelled user field replaced by a placeholder."""
+    spans = _pattern_spans(text)
+    if not spans:
+        return text
+    out, pos = [], 0
+    for start, end, _ in sorted(spans):
+        if start >= pos:
+            out.append(text[pos:start] + "<user>")
+            pos = end
+    return "".join(out) + text[pos:]
 
 
 def _spans(text: str, user: str | None) -> list[tuple[int, int, str]]:
@@ -113,4 +131,5 @@ RULE = Rule(
     doc=__doc__ or "",
     check_request=check,
     fix=fix,
+    default=False,
 )

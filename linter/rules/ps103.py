@@ -15,6 +15,9 @@ Better
     Keep all instructions in the leading system message; give per-turn guidance
     inside the user message ("(Answer in French.) ...").
 
+Opt-in hygiene rule (``--extend-select PS103``): whether a late system message
+moves depends on the chat template; when it does change what an earlier turn
+sent, the default rules report the rewritten history (PS204, PS206).
 No automatic fix (reordering would change the meaning).
 """
 
@@ -49,4 +52,5 @@ RULE = Rule(
     summary="A system or developer message that is not at the start",
     doc=__doc__ or "",
     check_request=check,
+    default=False,
 )

@@ -16,6 +16,9 @@ Better
     Build schemas with sorted keys (or let the gateway canonicalize them) and
     emit arguments with json.dumps(args, sort_keys=True, separators=(",", ":")).
 
+Opt-in hygiene rule (``--extend-select PS104``): keys in a consistent but
+unsorted order break nothing. In the default rules, equal JSON serialized
+differently between requests is reported where it happens (PS203).
 Checked: ``tools[i].function.parameters``, ``response_format`` and every
 tool call's ``arguments`` string (keys sorted at every level; arguments also in
 one of json.dumps's two standard spacings). The envelope keys of a tool
@@ -124,4 +127,5 @@ RULE = Rule(
     doc=__doc__ or "",
     check_request=check,
     fix=fix,
+    default=False,
 )

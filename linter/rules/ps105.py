@@ -13,6 +13,10 @@ Better
     Gather the results and append them in the order of ``tool_calls``:
     results = await asyncio.gather(*calls); messages.extend(map(tool_message, results))
 
+Opt-in hygiene rule (``--extend-select PS105``): results in completion order
+break nothing as long as later turns repeat them as sent. In the default rules,
+a history whose tool results were reordered between turns is reported where it
+changed (PS204).
 Fix used by the estimate: tool results reordered to the ``tool_calls`` order.
 """
 
@@ -78,4 +82,5 @@ RULE = Rule(
     doc=__doc__ or "",
     check_request=check,
     fix=fix,
+    default=False,
 )

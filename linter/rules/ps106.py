@@ -14,6 +14,10 @@ Better
     Normalize once when loading: line endings to "\\n", no trailing spaces,
     stripped ends (SYSTEM = "\\n".join(l.rstrip() for l in text.splitlines()).strip()).
 
+Opt-in hygiene rule (``--extend-select PS106``): whitespace that is the same in
+every request breaks nothing. In the default rules, instructions or tools that
+differ between requests only in whitespace are reported where they differ
+(PS206, PS202), with the whitespace named as the cause.
 Checked in system/developer contents and tool descriptions: carriage returns,
 trailing whitespace before a newline, leading or trailing whitespace.
 Fix used by the estimate: that normalization.
@@ -111,4 +115,5 @@ RULE = Rule(
     doc=__doc__ or "",
     check_request=check,
     fix=fix,
+    default=False,
 )

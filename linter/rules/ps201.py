@@ -24,7 +24,7 @@ Fix used by the estimate: volatile values moved after the stable prefix (as PS10
 from __future__ import annotations
 
 from linter.rule import Rule
-from linter.rules.ps101 import fix
+from linter.rules.ps101 import move_volatile
 
 RULE = Rule(
     code="PS201",
@@ -33,5 +33,5 @@ RULE = Rule(
     scope="corpus",
     summary="Requests that should share a prefix first differ inside a volatile value",
     doc=__doc__ or "",
-    fix=fix,
+    fix=move_volatile,
 )

@@ -1,23 +1,28 @@
-"""PS301 volatile-call-in-instructions: ``datetime.now()``, ``time.time()`` or ``uuid4()`` flows into a system prompt.
+"""PS301 volatile-call-in-instructions: ``datetime.now()``, ``time.time()``, ``uuid4()`` or a random value reaches the static prefix.
 
 Why it matters
-    Code that formats the current time, a random id or a nonce into the system
-    prompt produces a different prompt head on every call, so no request ever
-    reuses another's cache (PS101 is the same problem seen in the request log).
+    Code that writes the current time, a random number, an id or a nonce into
+    the system prompt or the tools produces a different prompt head on every
+    call, so no request ever reuses another's cache (PS101 is the same problem
+    seen in a request log).
 
 Anti-pattern
-    now = datetime.now().isoformat()
-    messages = [{"role": "system", "content": f"You are a helper. Time: {now}"}]
+    @agent.system_prompt
+    def add_date() -> str:
+        return f"You are a helper. Today is {date.today()}."
 
 Better
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"(Time: {now})\\n{question}"}]
+                {"role": "user", "content": f"(Today is {date.today()})\n{question}"}]
 
-Detected: a volatile call (datetime/date now/utcnow/today, time.time, uuid1/4,
-secrets tokens, random) or a name assigned from one, inside the ``content`` of a
-``{"role": "system"|"developer", ...}`` dict, in a value assigned to a name that
-contains system/instruction/preamble, or passed as ``system=``/``instructions=``.
-Suppress a line with ``# prefixgate: noqa: PS301``.
+Default rule. Detected: a volatile call (datetime/date ``now``/``utcnow``/``today``,
+``time.time``, ``uuid1``/``uuid4``, ``secrets`` tokens, ``random``) whose value
+reaches the instructions or the tools of a chat request, followed through
+assignments, f-strings, ``.format``, concatenation and function returns in the
+module, including functions registered or passed as system prompts
+(:mod:`linter.prompt_flow`). Reported once, at the call. A volatile value in the
+newest user message is fine and not reported. Suppress a line with
+``# prefixgate: noqa: PS301``.
 """
 
 from __future__ import annotations
@@ -25,45 +30,13 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from linter import python_ast as pa
+from linter.prompt_flow import reaches
 from linter.rule import Hit, Options, Rule
 
 
-def _sinks(scope: pa.Scope) -> Iterator[ast.expr]:
-    for node in pa.scope_nodes(scope):
-        if isinstance(node, ast.Dict):
-            role = pa.string_value(pa.dict_get(node, "role"))
-            content = pa.dict_get(node, "content")
-            if role in ("system", "developer") and content is not None:
-                yield content
-        value = pa.assigned_value(node)
-        if value is not None and any(pa.SYSTEM_NAME.search(n.split(".")[-1]) for n in pa.assigned_names(node)):
-            yield value
-        if isinstance(node, ast.Call):
-            for keyword in node.keywords:
-                if keyword.arg in ("system", "instructions", "system_prompt"):
-                    yield keyword.value
-
-
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    seen: set[tuple[int, int]] = set()
-    for scope in pa.scopes(tree):
-        tainted = pa.taint(scope, pa.is_volatile_call)
-        for sink in _sinks(scope):
-            source = pa.find_source(sink, pa.is_volatile_call, tainted)
-            if not isinstance(source, ast.expr):
-                continue
-            where = (source.lineno, source.col_offset)
-            if where in seen:
-                continue
-            seen.add(where)
-            what = pa.origin(source, tainted)
-            via = "" if isinstance(source, ast.Call) else f" (via {pa.dotted_name(source)!r})"
-            yield Hit(
-                f"{what}{via} flows into a system prompt: every call gets a different prompt prefix",
-                line=source.lineno,
-                column=source.col_offset + 1,
-            )
+    for reach in reaches(tree, "PS301"):
+        yield Hit(f"{reach.cause.what} reaches the {reach.sink_text} of a chat request: its prefix changes on every call", line=reach.cause.line, column=reach.cause.column)
 
 
 RULE = Rule(
@@ -71,7 +44,7 @@ RULE = Rule(
     name="volatile-call-in-instructions",
     severity="error",
     scope="source",
-    summary="datetime.now(), time.time(), uuid4() ... flowing into a system prompt",
+    summary="A volatile call (now, time, uuid4, random) whose value reaches the system prompt or tools",
     doc=__doc__ or "",
     check_source=check,
 )

@@ -1,4 +1,4 @@
-"""PS304 tools-per-user: tool definitions are built from user-specific data.
+"""PS304 tools-per-user: a tool definition is built from user-specific data.
 
 Why it matters
     Tools head the prompt. A tool description or schema that mentions the
@@ -14,10 +14,17 @@ Better
     One tool definition for everyone ("List the current customer's orders"),
     with the user identified in the conversation or by the tool's backend.
 
-Detected: an f-string, ``.format`` or string concatenation referencing a name
-that mentions user, customer, account, tenant, member, email, profile or client,
-inside a dict that looks like a tool (it has ``parameters`` or ``function``, or
-``"type": "function"``) or inside a value assigned to a tools/functions variable.
+Default rule. Detected: user-specific data read inside a tool definition (in an
+f-string, a concatenation, ``.format``, an ``enum``, a filter of the tool list),
+directly or through assignments: a name whose root is ``user``, ``customer``,
+``account``, ``tenant``, ``member`` or ``email`` (``user.name``,
+``account_id``, ``self.customer.plan``, ``current_user``; not constants, not
+``tool.user_location``, not tool functions named ``get_user``). Tool
+definitions are dicts with ``"type": "function"`` or ``parameters``, ``tools=``
+arguments and ``tools`` variables, and a tool constructor's ``description=``.
+What a tool *returns* is a tool result in the history, not its definition, and
+a tool factory given user data (``make_tool(directory=customers)``) still
+defines one tool for everyone: neither is reported.
 """
 
 from __future__ import annotations
@@ -25,53 +32,13 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from linter import python_ast as pa
+from linter.prompt_flow import reaches
 from linter.rule import Hit, Options, Rule
 
 
-def _is_tool_dict(node: ast.AST) -> bool:
-    if not isinstance(node, ast.Dict):
-        return False
-    keys = {pa.string_value(k) for k in node.keys if k is not None}
-    return "parameters" in keys or "function" in keys or pa.string_value(pa.dict_get(node, "type")) == "function"
-
-
-def _user_reference(node: ast.AST) -> ast.expr | None:
-    """A user-ish name used inside string building within ``node``, or None."""
-    for inner in ast.walk(node):
-        built: list[ast.AST] = []
-        if isinstance(inner, ast.JoinedStr):
-            built = [v.value for v in inner.values if isinstance(v, ast.FormattedValue)]
-        elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "format":
-            built = [*inner.args, *(k.value for k in inner.keywords)]
-        elif isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add | ast.Mod):
-            built = [inner.left, inner.right]
-        for part in built:
-            for leaf in ast.walk(part):
-                if isinstance(leaf, ast.Name | ast.Attribute) and pa.USER_NAME.search(pa.dotted_name(leaf)):
-                    return leaf
-    return None
-
-
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    roots: list[ast.AST] = []
-    for node in ast.walk(tree):
-        if _is_tool_dict(node):
-            roots.append(node)
-        value = pa.assigned_value(node)
-        if value is not None and any(pa.TOOLS_NAME.search(n.split(".")[-1]) for n in pa.assigned_names(node)):
-            roots.append(value)
-    seen: set[tuple[int, int]] = set()
-    for root in roots:
-        ref = _user_reference(root)
-        if ref is None or (ref.lineno, ref.col_offset) in seen:
-            continue
-        seen.add((ref.lineno, ref.col_offset))
-        yield Hit(
-            f"tool definition built from {pa.dotted_name(ref)!r}: the tool block differs per user",
-            line=ref.lineno,
-            column=ref.col_offset + 1,
-        )
+    for reach in reaches(tree, "PS304"):
+        yield Hit(f"{reach.cause.what} is written into a tool definition: the tool block differs per user", line=reach.cause.line, column=reach.cause.column)
 
 
 RULE = Rule(

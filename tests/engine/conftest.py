@@ -60,7 +60,7 @@ def make_tiny_engine(tiny_model, bundled_tokenizer):
     """A factory of started tiny engines (settings overridable); all are shut down and
     checked for leaked blocks after the test."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     engines = []
 
@@ -86,7 +86,7 @@ def tiny_engine(make_tiny_engine):
 
 def _real_engine(dtype: str):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     return LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory_gib=0.25, seed=0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine.block_hash import hash_block_chain
+from engine.kvcache.block_hash import hash_block_chain
 from gateway.block_index import ReplicaIndex
 from gateway.block_keys import RequestKeys
 from gateway.kv_events import apply_events, decode_batch

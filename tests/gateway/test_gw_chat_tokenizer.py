@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine.chat import ChatRenderer
+from engine.server.chat import ChatRenderer
 from gateway.block_keys import BlockKeyer
 from gateway.chat_tokenizer import ChatTokenizer
 

@@ -50,8 +50,11 @@ def test_example_config(tmp_path):
     with pytest.raises(Unauthorized):
         auth.tenant_for(None)
     auth.require_admin("Bearer admin")
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Forbidden) as tenant_key:  # a valid key, but not an admin's
         auth.require_admin("Bearer acme-key")
+    assert tenant_key.value.code == "admin_key_required" and tenant_key.value.status == 403
+    with pytest.raises(Unauthorized):
+        auth.require_admin("Bearer nobody")
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from gw_fakes import free_port
 
-from engine.block_hash import hash_block_chain
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_event_publisher import KvEventPublisher, KVEventsConfig
-from engine.request import Request
+from engine.kvcache.block_hash import hash_block_chain
+from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.kvcache.request import Request
+from engine.server.kv_event_publisher import KvEventPublisher, KVEventsConfig
 from gateway.block_index import ReplicaIndex
 from gateway.kv_events import EventSource, KvEventSubscriber
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import linter.api
 from gateway import prefix_warner
-from gateway.prefix_warner import PrefixWarner, conversation_key
+from gateway.prefix_warner import PrefixWarner
+from linter.api import conversation_keys
 
 SYSTEM = {"role": "system", "content": "You answer questions about the billing system of the shop."}
 
@@ -16,22 +17,48 @@ def turn(*contents):
     return {"model": "m", "messages": messages}
 
 
-def test_conversation_key_uses_the_header_or_the_first_user_message():
-    assert conversation_key(turn("a"), None) == conversation_key(turn("a", "b", "c"), None)
-    assert conversation_key(turn("a"), None) != conversation_key(turn("x"), None)
-    assert conversation_key(turn("a"), "thread-1") == conversation_key(turn("x"), "thread-1") == "header:thread-1"
-    assert conversation_key({"model": "m", "messages": [SYSTEM]}, None) is None
+def test_conversation_identity_is_an_explicit_id_or_an_extension_never_the_first_message():
+    first, later = conversation_keys(turn("a")), conversation_keys(turn("a", "b", "c"))
+    assert first.remember in later.lookup  # a later turn extends the earlier one
+    other = conversation_keys(turn("a", "different answer", "c"))
+    assert conversation_keys(turn("a", "b")).remember not in other.lookup  # same first message, not an extension
+    header = conversation_keys(turn("x"), "thread-1")
+    assert header.explicit and header.lookup == (header.remember,) == conversation_keys(turn("y"), "thread-1").lookup
+    by_metadata = conversation_keys({**turn("x"), "metadata": {"conversation_id": "thread-1"}})
+    by_cache_key = conversation_keys({**turn("y"), "prompt_cache_key": "thread-1"})
+    assert by_metadata.remember == by_cache_key.remember == header.remember
+    assert conversation_keys({"model": "m", "messages": [SYSTEM]}) is None
 
 
 def test_rewritten_history_is_reported_and_appending_is_not():
     warner = PrefixWarner()
+
+    def ps2(body, header=None):
+        return [w.code for w in warner.check("t", body, body, body_size=10, conversation_header=header) if w.code.startswith("PS2")]
+
     first = turn("What is my balance?", "12 euros.", "And last month?")
-    assert not [w for w in warner.check("t", first, first, body_size=10) if w.code.startswith("PS2")]
+    assert ps2(first, "c1") == []
     appended = turn("What is my balance?", "12 euros.", "And last month?", "8 euros.", "Thanks")
-    assert not [w for w in warner.check("t", appended, appended, body_size=10) if w.code.startswith("PS2")]
+    assert ps2(appended, "c1") == []
     edited = turn("What is my balance?", "Balance: 12 EUR.", "And last month?", "8 euros.", "Thanks!")
-    codes = [w.code for w in warner.check("t", edited, edited, body_size=10)]
-    assert any(code.startswith("PS2") for code in codes)
+    assert ps2(edited, "c1") == ["PS204"]
+    # Without an id, an edited history is not an extension: another conversation, no comparison.
+    assert ps2(turn("What is my balance?", "12 euros.", "And last month?")) == []
+    assert ps2(turn("What is my balance?", "Balance: 12 EUR.", "And last month?", "8 euros.")) == []
+
+
+def test_unrelated_requests_that_both_start_with_hi_get_no_cross_request_warning():
+    warner = PrefixWarner()
+    tools_a = {"tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]}
+    bodies = [
+        {**turn("hi"), "tool_choice": "auto", **tools_a},
+        {**turn("hi", "Hello! How can I help?", "What is the weather in Paris?"), **tools_a},
+        {**turn("hi", "Hey there.", "Cancel my order 1234, please."), "response_format": {"type": "json_object"}},
+        turn("hi", "Hi! What do you need?", "Reset my password"),
+    ]
+    for body in bodies:
+        codes = [w.code for w in warner.check("tenant", body, body, body_size=10)]
+        assert not [c for c in codes if c.startswith("PS2")], codes
 
 
 def test_history_is_bounded_per_tenant_and_in_tenants():
@@ -59,3 +86,16 @@ def test_a_failing_linter_never_fails_the_request(monkeypatch):
     assert warner.check("t", body, body, body_size=1) == []
     assert warner.check("t", body, body, body_size=1) == []
     assert linter.api.check_request is not boom
+
+
+def test_a_shared_prompt_cache_key_does_not_tie_unrelated_chats():
+    hello = "Hello! I can help with invoices, refunds, payment methods and plan changes. What do you need today?"
+    hey = "Hey. Ask me anything about your bill, your plan or a refund and I will look it up for you right away."
+    bodies = [turn("hi", hello, "Balance?"), turn("hi", hey, "Refund?")]
+    for header, expected in ((None, []), ("thread-9", ["PS204"])):  # the same two bodies under one explicit id
+        warner = PrefixWarner()
+        codes = []
+        for body in bodies:
+            body = {**body, "prompt_cache_key": "billing-app"}
+            codes += [w.code for w in warner.check("t", body, body, body_size=10, conversation_header=header) if w.code.startswith("PS2")]
+        assert codes == expected

@@ -10,6 +10,7 @@ import orjson
 from gw_fakes import SECRET, gateway_client, make_settings, rows
 
 from gateway.api_key import hash_key
+from gateway.prefix_warner import CONVERSATION_HEADER
 from gateway.salt import derive_cache_salt
 
 KEY_A, KEY_B, ADMIN = "key-a-secret", "key-b-secret", "admin-secret"
@@ -134,9 +135,10 @@ def test_history_rewrite_between_turns_is_warned(tmp_path, fake_upstream):
 
     async def go():
         async with gateway_client(make_settings(tmp_path, CONFIG), httpx.ASGITransport(fake_upstream.app)) as gw:
-            first = await gw.post("/v1/chat/completions", json=turn1, headers=auth(KEY_A))
-            second = await gw.post("/v1/chat/completions", json=edited, headers=auth(KEY_A))
-            other_tenant = await gw.post("/v1/chat/completions", json=edited, headers=auth(KEY_B))
+            thread = {CONVERSATION_HEADER: "thread-7"}
+            first = await gw.post("/v1/chat/completions", json=turn1, headers={**auth(KEY_A), **thread})
+            second = await gw.post("/v1/chat/completions", json=edited, headers={**auth(KEY_A), **thread})
+            other_tenant = await gw.post("/v1/chat/completions", json=edited, headers={**auth(KEY_B), **thread})
         return first, second, other_tenant
 
     first, second, other_tenant = run(go())
@@ -144,6 +146,24 @@ def test_history_rewrite_between_turns_is_warned(tmp_path, fake_upstream):
     assert any(code.startswith("PS2") for code in second.headers["x-prefixgate-warnings"].split(","))
     # history is per tenant: beta never saw turn 1
     assert "x-prefixgate-warnings" not in other_tenant.headers
+
+
+def test_unrelated_requests_starting_with_hi_get_no_cross_request_warning(tmp_path, fake_upstream):
+    system = {"role": "system", "content": "You are a helpful assistant for the billing team."}
+    hi = {"role": "user", "content": "hi"}
+    first = {"model": "fake-model", "messages": [system, hi, {"role": "assistant", "content": "Hello!"},
+                                                  {"role": "user", "content": "What is my balance?"}]}
+    second = {"model": "fake-model", "tool_choice": "none", "messages": [
+        system, hi, {"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "Cancel my plan."}]}
+
+    async def go():
+        async with gateway_client(make_settings(tmp_path, CONFIG), httpx.ASGITransport(fake_upstream.app)) as gw:
+            return [await gw.post("/v1/chat/completions", json=body, headers=auth(KEY_A)) for body in (first, second)]
+
+    for response in run(go()):
+        assert response.status_code == 200
+        codes = response.headers.get("x-prefixgate-warnings", "")
+        assert not [c for c in codes.split(",") if c.startswith("PS2")], codes
 
 
 def test_auth_with_config(tmp_path, fake_upstream):
@@ -159,9 +179,13 @@ def test_auth_with_config(tmp_path, fake_upstream):
         return settings, missing, wrong, models_bad, models, stats_tenant, stats
 
     settings, missing, wrong, models_bad, models, stats_tenant, stats = run(go())
-    for response in (missing, wrong, models_bad, stats_tenant):
+    for response in (missing, wrong, models_bad):
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
+    # A valid tenant key on an admin endpoint: a permission error, not "invalid key".
+    assert stats_tenant.status_code == 403
+    assert stats_tenant.json()["error"]["type"] == "permission_error"
+    assert stats_tenant.json()["error"]["code"] == "admin_key_required"
     assert models.json()["data"][0]["id"] == "fake-model"
     body = stats.json()
     assert body["tenants"]["(unauthenticated)"]["requests"] == 2

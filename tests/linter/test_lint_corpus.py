@@ -6,6 +6,7 @@ from pathlib import Path
 
 from linter.config import LintConfig
 from linter.corpus import load_file
+from linter.registry import all_rules
 from linter.render import render
 from linter.runner import lint_paths
 from linter.tokenizer import ApproxTokenizer
@@ -47,6 +48,12 @@ def test_planted_breaks_are_all_found_at_their_lines():
     assert report.problems == []
     for finding in report.findings:
         assert finding.path.endswith("requests.jsonl") and finding.column >= 1
+
+
+def test_opt_in_hygiene_rules_add_their_findings():
+    report = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(select=set(all_rules())), ApproxTokenizer())
+    found = sorted((f.line, f.code) for f in report.findings)
+    assert found == sorted(_generator().PLANTED + _generator().PLANTED_OPT_IN)
 
 
 def test_planted_source_breaks_are_found_and_noqa_respected():
@@ -106,8 +113,24 @@ def test_per_request_findings_cost_the_static_tokens_after_them():
     value_at = rendered.text.index(system) + system.index("2026-11-21T09:00:00Z")
     static_end = rendered.text.index("<|im_end|>") + len("<|im_end|>\n")
     assert first.tokens_lost == (static_end // BLOCK - value_at // BLOCK) * BLOCK > 0
-    (reordered,) = [f for f in report.findings if f.code == "PS104" and f.line == 6]
-    assert reordered.tokens_lost is None  # in the tools' JSON: measured by PS203 and the table
+    hygiene = lint_paths([EXAMPLES / "requests.jsonl"], LintConfig(select={"PS104"}), CharTokenizer(), with_estimate=False)
+    (reordered, _) = [f for f in hygiene.findings if f.code == "PS104"]
+    assert reordered.line == 6 and reordered.tokens_lost is None  # in the tools' JSON: measured by PS203
+
+
+def test_findings_carry_the_gain_their_rule_measures_in_the_table():
+    for path in (EXAMPLES / "requests.jsonl", EXAMPLES / "corpora" / "logs" / "breaks.jsonl"):
+        report = lint_paths([path], LintConfig(), CharTokenizer())
+        gains = {g.code: g for g in report.estimate.per_rule}
+        assert gains, path
+        for code, gain in gains.items():
+            lost = sum(f.tokens_lost or 0 for f in report.findings if f.code == code)
+            unrepaired = report.unrepaired.get(code, (0, 0))[1]
+            elsewhere = report.gained_elsewhere[code]
+            assert gain.applies and lost - unrepaired + elsewhere == gain.tokens_gained > 0, (path.name, code)
+            assert 0 <= elsewhere <= gain.tokens_gained // 4, (path.name, code)  # mostly on the findings themselves
+        assert "PS204" not in gains  # no automatic fix: the table says so instead of +0
+
 
 
 def test_json_array_findings_point_at_the_offending_line(tmp_path):
@@ -126,3 +149,28 @@ def test_json_array_findings_point_at_the_offending_line(tmp_path):
     single = tmp_path / "one.json"
     single.write_text(json.dumps({"request": bodies[1]}))
     assert [f.line for f in lint_paths([single], LintConfig(select={"PS101"}), ApproxTokenizer()).findings] == [1]
+
+
+def _precision_benchmark():
+    spec = importlib.util.spec_from_file_location("lint_precision", ROOT / "benchmarks" / "lint_precision.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_labelled_corpora_meet_the_precision_and_recall_targets():
+    result = _precision_benchmark().evaluate()
+    for code, row in result["rules"].items():
+        assert row["expected"] >= 2, f"{code} needs labelled instances"
+        assert row["precision"] >= 0.95 and row["recall"] >= 0.9, (code, row, result["mistakes"])
+    assert result["clean_findings"] and sum(result["clean_findings"].values()) == 0, result["clean_findings"]
+
+
+def test_labelled_logs_are_up_to_date(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("generate_logs", EXAMPLES / "corpora" / "generate_logs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "HERE", tmp_path)
+    module.main()
+    for path in sorted(tmp_path.iterdir()):
+        assert path.read_text() == (EXAMPLES / "corpora" / "logs" / path.name).read_text(), path.name

@@ -1,49 +1,39 @@
-"""PS302 cases: json.dumps without sort_keys building prompt text (marked) and harmless uses."""
+"""PS302 cases: json.dumps without sort_keys of a dict whose key order varies, into a prompt (marked)."""
 
 import json
 
-
-def fstring(schema: dict) -> str:
-    return f"Schema: {json.dumps(schema)}"  # expect: PS302 at "json.dumps"
-
-
-def concat(schema: dict) -> str:
-    return "Schema: " + json.dumps(schema, indent=2)  # expect: PS302 at "json.dumps"
+LIMITS = {"free": 10, "pro": 100, "team": 1000}
+PLANS = {"free", "pro", "team"}
 
 
-def tool_result(result: dict) -> dict:
-    return {"role": "tool", "content": json.dumps(result)}  # expect: PS302 at "json.dumps"
+def limits_from_a_set(enabled: set[str]) -> dict:
+    limits = {name: LIMITS[name] for name in enabled}
+    return {"role": "system", "content": "Limits: " + json.dumps(limits)}  # expect: PS302 at "json.dumps"
 
 
-def named(result: dict) -> str:
-    prompt_suffix = json.dumps(result)  # expect: PS302 at "json.dumps"
-    return prompt_suffix
+def module_level_set() -> str:
+    quota = dict.fromkeys(PLANS, 0)
+    system_prompt = f"Quotas: {json.dumps(quota, indent=2)}"  # expect: PS302 at "json.dumps"
+    return system_prompt
 
 
-def build_prompt(data: dict) -> str:
-    return json.dumps(data)  # expect: PS302 at "json.dumps"
+def sort_keys_is_the_fix(enabled: set[str]) -> dict:
+    limits = {name: LIMITS[name] for name in enabled}
+    return {"role": "system", "content": "Limits: " + json.dumps(limits, sort_keys=True)}
 
 
-def sorted_is_fine(schema: dict) -> str:
-    return f"Schema: {json.dumps(schema, sort_keys=True)}"
+def fixed_order_literal_is_stable() -> dict:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    return {"type": "function", "function": {"name": "weather", "description": json.dumps(schema), "parameters": schema}}
 
 
-def unrelated_file_write(data: dict, path: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(json.dumps(data))
+def tool_result_is_history_not_prefix(call_id: str, result: dict) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}
 
 
-def explicit_false(data: dict) -> dict:
-    return {"content": json.dumps(data, sort_keys=False)}  # expect: PS302 at "json.dumps"
+def http_body_is_not_a_prompt(session, payload: dict) -> None:
+    session.post("/v1/events", data=json.dumps(payload))
 
 
-def jsonl_line(record: dict) -> str:
-    return json.dumps(record) + "\n"
-
-
-def sse_event(chunk: dict) -> bytes:
-    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-
-def template(system: str, tools: list) -> str:
-    return f"{system}\n{json.dumps(tools)}"  # expect: PS302 at "json.dumps"
+def log_line(log, record: dict) -> None:
+    log.info(json.dumps({k: record[k] for k in set(record)}))

@@ -4,7 +4,7 @@
 def per_user_description(user) -> dict:
     return {
         "type": "function",
-        "function": {"name": "orders", "description": f"Orders of {user.name}"},  # expect: PS304 at "user.name"
+        "function": {"name": "orders", "description": f"Orders of {user.name}", "parameters": {}},  # expect: PS304 at "user.name"
     }
 
 
@@ -26,3 +26,11 @@ def shared_definition() -> dict:
 
 def user_in_a_message(user) -> dict:
     return {"role": "user", "content": f"I am {user.name}"}
+
+
+def a_tool_returns_user_data(user) -> str:
+    return f"Orders of {user.name}: 3 open"
+
+
+def lookup_orders_tool(customer_id: str) -> dict:
+    return {"orders": [], "summary": f"No orders for {customer_id}"}

@@ -1,25 +1,50 @@
-"""PS305 cases: history sliced or edited away from its end (marked) and append-only use."""
+"""PS305 cases: history sent as a sliding window or edited in place (marked) and append-only use."""
 
 
-def sliding_window(system: dict, history: list) -> list:
-    return [system, *history[-10:]]  # expect: PS305 at "history[-10:]"
+def sliding_window(client, system: dict, history: list) -> None:
+    client.create(messages=[system, *history[-10:]])  # expect: PS305 at "history[-10:]"
 
 
-def drop_first(messages: list) -> list:
-    return messages[2:]  # expect: PS305 at "messages[2:]"
+class SessionStore:
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+
+    def get_items(self, limit: int | None = None) -> list[dict]:
+        if limit is None:
+            return list(self.items)
+        return self.items[-limit:]  # expect: PS305 at "self.items[-limit:]"
 
 
-def edits(chat_history: list, conversation) -> None:
-    del chat_history[1]  # expect: PS305 at "chat_history[1]"
-    chat_history.pop(0)  # expect: PS305 at "chat_history.pop"
-    conversation.messages.insert(1, {})  # expect: PS305 at "conversation.messages.insert"
+def build_messages(system: dict, turns: list, budget: int) -> list:
+    window = turns[len(turns) - budget :]  # expect: PS305 at "turns[len(turns) - budget :]"
+    return [system, *window]
 
 
-def append_only(messages: list, system_messages: list) -> list:
+class Chat:
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+
+    def forget_oldest(self) -> None:
+        self.messages.pop(1)  # expect: PS305 at "self.messages.pop"
+        del self.messages[1]  # expect: PS305 at "self.messages[1]"
+
+
+def fixed_start_is_stable(client, messages: list) -> None:
+    client.create(system=messages[0]["content"], messages=messages[1:])
+
+
+def append_only(messages: list) -> list:
     messages.append({"role": "user", "content": "hi"})
-    last = messages.pop()
-    head = messages[:5]
-    return [*system_messages[1:], last, *head, *messages[-1:]]  # expect: PS305 at "messages[-1:]"
+    return messages
+
+
+def test_like_assertion(messages: list) -> None:
+    assert messages[-2:] == [{"role": "user"}, {"role": "assistant"}]
+
+
+def display_last_turns(print_fn, history: list) -> None:
+    for message in history[-5:]:
+        print_fn(message["content"])
 
 
 def dict_pop_is_not_history(message: dict, conversations: dict, key: str) -> None:

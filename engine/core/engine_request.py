@@ -1,0 +1,87 @@
+"""EngineRequest: one request's state inside the engine, as plain data.
+
+It ties together the KV cache manager's view of the request (:class:`Request`:
+token ids and block hashes), how many of its tokens have K/V in its blocks, its
+sampler generator and its detokenizer. The scheduler moves it between queues and
+owns its blocks; the engine loop advances ``num_computed_tokens`` after a forward
+and appends sampled tokens. Nothing here runs a model.
+
+Invariants:
+
+* ``kv.num_tokens == num_prompt_tokens + number of sampled tokens``;
+* ``num_computed_tokens <= kv.num_tokens``; while the request runs, the KV cache
+  manager holds exactly ``num_computed_tokens`` slots for it between steps (the
+  scheduler reserves a step's slots right before its forward);
+* a request samples when its forward leaves ``num_computed_tokens == kv.num_tokens``;
+* ``num_cached_tokens`` is the prefix-cache hit taken at its first admission: whole
+  blocks, never the last prompt token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from engine.core.detokenizer import Detokenizer
+from engine.core.output_stream import GenerationRequest, OutputStream
+from engine.core.sampler import make_generator
+from engine.kvcache.request import Request
+
+
+class EngineRequest:
+    """A GenerationRequest being served."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        *,
+        block_size: int,
+        max_model_len: int,
+        tokenizer: Any,
+        eos_token_ids: Iterable[int],
+        fallback_seed: int,
+    ) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.max_model_len = max_model_len
+        self.kv = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            cache_salt=request.cache_salt,
+            mm_items=request.mm_items,
+            block_size=block_size,
+        )
+        self.num_prompt_tokens = self.kv.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.admitted = False
+        self.generator = make_generator(request.params, fallback_seed)
+        self.detokenizer = Detokenizer(tokenizer, request.params, eos_token_ids)
+        self.stream: OutputStream | None = None
+        self.arrival_time = time.monotonic()
+        self.num_preemptions = 0
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V are still to be computed (1 while decoding)."""
+        return self.kv.num_tokens - self.num_computed_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """True while part of the prompt has no K/V yet."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> str | None:
+        """Record a sampled token; returns the finish reason when it ends the request."""
+        self.kv.append_output_token_ids(token_id)
+        reason = self.detokenizer.add(token_id)
+        if reason is None and (
+            len(self.kv.output_token_ids) >= self.params.max_tokens
+            or self.kv.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        return reason
+
+    def __repr__(self) -> str:
+        return f"EngineRequest({self.request_id!r}, computed={self.num_computed_tokens}/{self.kv.num_tokens})"

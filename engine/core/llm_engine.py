@@ -1,0 +1,320 @@
+"""LLMEngine: the engine loop thread that turns GenerationRequests into StepOutputs.
+
+Flow of one request: :meth:`LLMEngine.submit` validates it and queues it (any
+thread); every loop iteration the :class:`~engine.core.scheduler.Scheduler` picks
+the step's work (decode tokens of running requests, prefill chunks of new ones,
+under a token budget), reserving blocks in the
+:class:`~engine.kvcache.kv_cache_manager.KVCacheManager` it owns; the
+:class:`~engine.model.runner.ModelRunner` computes all of it in one forward,
+reading and writing K/V in the block pool; each request whose forward reached its
+last token samples (:mod:`engine.core.sampler`), detokenizes
+(:class:`~engine.core.detokenizer.Detokenizer`) and gets a :class:`StepOutput` in
+its :class:`OutputStream`.
+
+Invariants:
+
+* only the loop thread touches the model, the KV storage, the scheduler and the
+  KV cache manager; other threads talk to it through ``_inbox`` and ``_aborts``
+  under ``_cond``;
+* a request's blocks are freed exactly once, when it finishes for any reason
+  (stop, length, abort, error), before its finished output is put in its
+  stream; after a failed forward, the blocks it was computing lose their hash
+  first (for every request of the batch), so no one can hit them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.detokenizer import eos_token_ids
+from engine.core.engine_request import EngineRequest
+from engine.core.engine_stats import EngineStats
+from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput
+from engine.core.sampler import sample
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.model.kv_storage import KVLayout, KVStorage
+from engine.model.runner import ModelRunner, SequenceInput
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EngineStats",
+    "GenerationRequest",
+    "LLMEngine",
+    "OutputStream",
+    "SamplingParams",
+    "StepOutput",
+]
+
+
+class LLMEngine:
+    """A causal LM served with block-level prefix caching, one loop thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.layout = KVLayout(
+            num_layers=mc.num_hidden_layers,
+            kv_heads=mc.num_key_value_heads,
+            head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads,
+            block_size=config.block_size,
+            dtype=next(model.parameters()).dtype,
+        )
+        self.storage = KVStorage.from_memory(self.layout, config.kv_cache_memory_gib)
+        self.block_size = config.block_size
+        self.runner = ModelRunner(model, self.storage)
+        model_len = config.max_model_len or mc.max_position_embeddings
+        kv_tokens = self.storage.num_blocks * config.block_size
+        if model_len > kv_tokens:
+            logger.warning("max_model_len %d capped to the KV cache's %d tokens", model_len, kv_tokens)
+        self.max_model_len = min(model_len, kv_tokens)
+        self.model_id = config.served_model_name or str(getattr(mc, "name_or_path", "") or "model")
+        self.supports_images = False
+        self.vocab_size = int(mc.vocab_size)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.kv_cache_manager = KVCacheManager(
+            self.storage.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.ttft_observers: list[Callable[[float], None]] = []
+        self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
+        self._rng = random.Random(config.seed)
+        self._cond = threading.Condition()
+        self._inbox: list[EngineRequest] = []
+        self._aborts: set[str] = set()
+        self._active: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._num_finished = 0
+        self._finish_counts: dict[str, int] = {}
+        self._ttft = (0, 0.0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from engine.model.loader import load_model
+
+        loaded = load_model(config)
+        return cls(loaded.model, loaded.tokenizer, dataclasses.replace(config, served_model_name=loaded.model_id))
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        """Start the loop thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests finish with ``abort``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, request: GenerationRequest) -> OutputStream:
+        """Queue a request; raises ValueError when it can never run."""
+        req = self._validate(request)
+        stream = OutputStream(request.request_id, self.abort)
+        req.stream = stream
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shut down")
+            if request.request_id in self._active:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            self._active.add(request.request_id)
+            self._inbox.append(req)
+            self._cond.notify_all()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request with ``abort`` and free its blocks (no-op when finished)."""
+        with self._cond:
+            if request_id in self._active:
+                self._aborts.add(request_id)
+                self._cond.notify_all()
+
+    def add_ttft_observer(self, observer: Callable[[float], None]) -> None:
+        """``observer(seconds)`` is called from the loop thread at each first token."""
+        self.ttft_observers.append(observer)
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        cache = kv.stats
+        free = kv.num_free_blocks
+        return EngineStats(
+            prefix_cache_requests=cache.requests,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            evictions=cache.evictions,
+            num_blocks=kv.num_blocks,
+            num_used_blocks=kv.num_blocks - free,
+            num_free_blocks=free,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_finished=self._num_finished,
+            num_aborted=self._finish_counts.get("abort", 0),
+            num_failed=self._finish_counts.get("error", 0),
+            num_preemptions=self.scheduler.num_preemptions,
+            ttft_count=self._ttft[0],
+            ttft_sum_s=self._ttft[1],
+        )
+
+    def _validate(self, request: GenerationRequest) -> EngineRequest:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt) > self.max_model_len - 1:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(prompt)} tokens and at least one token must be generated"
+            )
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary of {self.vocab_size}")
+        if request.mm_items and not self.supports_images:
+            raise ValueError("model does not accept images")
+        if not isinstance(request.params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(request.params).__name__}")
+        return EngineRequest(
+            request,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            fallback_seed=self._next_seed(),
+        )
+
+    def _next_seed(self) -> int:
+        with self._cond:
+            return self._rng.getrandbits(63)
+
+    # ------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for req in inbox:
+                self.scheduler.add(req)
+            for rid in aborts:
+                self._abort_now(rid)
+            try:
+                self.step()
+            except Exception:  # a bug outside any one request: fail them all, keep serving
+                logger.exception("engine step failed")
+                for req in self.scheduler.all_requests():
+                    self._finish(req, "error", error="internal engine error")
+        for req in [*self.scheduler.all_requests(), *self._inbox]:
+            self._finish(req, "abort")
+
+    def step(self) -> None:
+        """Run one scheduler step: one forward over every scheduled token, then sample."""
+        work = self.scheduler.schedule()
+        if not work.scheduled:
+            return
+        kvm = self.kv_cache_manager
+        inputs = [
+            SequenceInput(
+                token_ids=s.request.kv.all_token_ids[s.start : s.end],
+                start=s.start,
+                block_ids=kvm.get_block_ids(s.request.request_id),
+                sample=s.samples,
+            )
+            for s in work.scheduled
+        ]
+        try:
+            logits = self.runner.execute(inputs)
+        except Exception as exc:
+            logger.exception("forward over %d requests failed", len(inputs))
+            self.scheduler.forget_unwritten(work)
+            for s in work.scheduled:
+                self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        row = 0
+        for s in work.scheduled:
+            s.request.num_computed_tokens = s.end
+            if s.samples:
+                self._sample(s.request, logits[row])
+                row += 1
+
+    def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
+        first = not req.kv.output_token_ids
+        try:
+            if first and self.first_logits_observer is not None:
+                self.first_logits_observer(req.request_id, logits)
+            token = sample(logits, req.params, req.generator)
+            reason = req.append_token(token)
+        except Exception as exc:
+            logger.exception("request %s failed", req.request_id)
+            self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        if first:
+            ttft = time.monotonic() - req.arrival_time
+            self._ttft = (self._ttft[0] + 1, self._ttft[1] + ttft)
+            for observer in self.ttft_observers:
+                observer(ttft)
+        finished = reason is not None
+        if finished:
+            self._release(req)
+        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason)
+
+    def _abort_now(self, request_id: str) -> None:
+        req = self.scheduler.remove(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+
+    def _finish(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
+        text = req.detokenizer.take_new_text(True) if reason != "error" else ""
+        self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
+        self._release(req)
+        self._emit(req, [], text, reason, error)
+
+    def _emit(
+        self, req: EngineRequest, tokens: list[int], text: str, reason: str | None, error: str | None = None
+    ) -> None:
+        output = StepOutput(
+            new_token_ids=tokens,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+        assert req.stream is not None
+        if not req.stream.put(output) and reason is None:
+            self.abort(req.request_id)  # the consumer's event loop is gone
+
+    def _release(self, req: EngineRequest) -> None:
+        """Take the request out of the scheduler and free its blocks (idempotent)."""
+        self.scheduler.finish(req)
+        self._num_finished += 1
+        with self._cond:
+            self._active.discard(req.request_id)
+            self._aborts.discard(req.request_id)

@@ -1,0 +1,101 @@
+"""OutputStream: carries one request's StepOutputs from the engine thread to a consumer.
+
+Created inside a running asyncio event loop, it hands every output over with
+``loop.call_soon_threadsafe`` so the event loop never waits on torch. Created
+outside any event loop (scripts, benchmarks), it is a blocking queue read with
+:meth:`OutputStream.result`.
+
+Invariant: the last output put into a stream has ``finished=True`` and nothing
+follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.core.sampling_params import SamplingParams
+from engine.kvcache.block_hash import MultiModalItem
+
+
+@dataclass
+class GenerationRequest:
+    """What the server asks the engine to generate."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    mm_items: tuple[MultiModalItem, ...] = ()
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for a request."""
+
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class OutputStream:
+    """The consumer's end of one request's outputs."""
+
+    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._abort = abort
+        self.finished = False
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._async_queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._sync_queue: queue.Queue[StepOutput] = queue.Queue()
+
+    def put(self, output: StepOutput) -> bool:
+        """Called by the engine thread; False when the consumer's event loop is gone."""
+        if self._loop is None:
+            self._sync_queue.put(output)
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._async_queue.put_nowait, output)
+        except RuntimeError:
+            return False
+        return True
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        if self._loop is None:
+            raise RuntimeError("this OutputStream was created outside an event loop: use result()")
+        try:
+            while not self.finished:
+                output = await self._async_queue.get()
+                self.finished = output.finished
+                yield output
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    async def collect(self) -> list[StepOutput]:
+        """Every output until the finished one."""
+        return [output async for output in self]
+
+    def result(self, timeout: float | None = None) -> list[StepOutput]:
+        """Blocking collect for a stream created outside an event loop."""
+        if self._loop is not None:
+            raise RuntimeError("this OutputStream belongs to an event loop: use collect()")
+        outputs: list[StepOutput] = []
+        while not self.finished:
+            output = self._sync_queue.get(timeout=timeout)
+            self.finished = output.finished
+            outputs.append(output)
+        return outputs
+
+    def cancel(self) -> None:
+        """Abort the request (idempotent); its blocks are freed by the engine."""
+        self._abort(self.request_id)

@@ -1,0 +1,312 @@
+"""KVCacheManager: vLLM-v1-style automatic prefix caching over a BlockPool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.kvcache.block_pool import BlockPool
+from engine.kvcache.kv_cache_block import KVCacheBlock
+from engine.kvcache.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache statistics, in tokens (queries, hits) and blocks (evictions)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+    resets: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests and reuses cached prefixes.
+
+    Per request it keeps a block table (append-only), the number of token slots
+    reserved, and how many of its leading blocks are cached. Invariants, all checked
+    by :meth:`check_integrity`:
+
+    * each block's ref count equals the number of block tables holding it;
+    * a block is in the free queue if and only if its ref count is 0;
+    * a request with ``s`` reserved slots holds ``ceil(s / block_size)`` blocks;
+    * the first ``num_cached_blocks`` blocks of a table carry the request's block
+      hashes, in order, and are in the hash map under them;
+    * the hash map and the blocks' ``block_hash`` fields agree.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_slots: dict[str, int] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self._requests: dict[str, Request] = {}
+        self._stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """A snapshot of the cumulative statistics."""
+        return PrefixCacheStats(
+            requests=self._stats.requests,
+            queries=self._stats.queries,
+            hits=self._stats.hits,
+            evictions=self.block_pool.num_evictions,
+            resets=self._stats.resets,
+        )
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (empty for an unknown request)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue as block ids, head (next to reuse) first."""
+        return [b.block_id for b in self.block_pool.free_queue.blocks()]
+
+    def num_slots(self, request_id: str) -> int:
+        """Token slots reserved for the request (0 for an unknown request)."""
+        return self.req_to_slots.get(request_id, 0)
+
+    # --------------------------------------------------------------- operations
+    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks from the start of ``request``.
+
+        Never covers the request's last token, whose logits must be computed, so a
+        fully cached prompt of ``k * block_size`` tokens hits ``k - 1`` blocks.
+        Returns the blocks and the number of tokens they hold. Counts one query of
+        ``request.num_tokens`` tokens in the statistics unless ``count`` is false (a
+        scheduler probing a request it may not admit yet counts it with
+        :meth:`count_query` once it does); nothing when caching is off.
+        """
+        if not self.enable_caching:
+            return [], 0
+        request.bind_block_size(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_computed = len(hits) * self.block_size
+        if count:
+            self.count_query(request, num_computed)
+        return hits, num_computed
+
+    def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Record one prefix-cache query of ``request`` that hit ``num_hit_tokens`` tokens."""
+        if not self.enable_caching:
+            return
+        self._stats.requests += 1
+        self._stats.queries += request.num_tokens
+        self._stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_computed_tokens: int = 0,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Reserve KV slots for ``num_new_tokens`` more tokens of ``request``.
+
+        First call: ``computed_blocks``/``num_computed_tokens`` are the hit from
+        :meth:`get_computed_blocks`. Later calls (decode, after appending tokens)
+        pass only ``num_new_tokens``. Returns the newly allocated blocks, or None,
+        changing nothing, when too few blocks are free (hit blocks still in the free
+        queue count against the free blocks). Every block that is now full is cached
+        at once, so other requests scheduled in the same step can reuse it.
+        """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
+        rid = request.request_id
+        known = self._requests.get(rid)
+        if known is not None and known is not request:
+            raise ValueError(f"another request with id {rid!r} is already running")
+        request.bind_block_size(self.block_size)
+        held = self.req_to_blocks.get(rid, [])
+        if held and (computed_blocks or num_computed_tokens not in (0, self.req_to_slots[rid])):
+            raise ValueError(
+                f"request {rid!r} already holds blocks: pass computed blocks only on its first allocation"
+            )
+        if not held and num_computed_tokens != len(computed_blocks) * self.block_size:
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} does not match "
+                f"{len(computed_blocks)} computed blocks of {self.block_size} tokens"
+            )
+        slots = (self.req_to_slots[rid] if held else num_computed_tokens) + num_new_tokens
+        if slots > request.num_tokens:
+            raise ValueError(
+                f"request {rid!r} has {request.num_tokens} tokens; cannot reserve {slots} slots"
+            )
+        num_needed = -(-slots // self.block_size) - len(held) - len(computed_blocks)
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+
+        if not held:
+            self._requests[rid] = request
+            self.req_to_blocks[rid] = held
+            self.num_cached_blocks[rid] = len(computed_blocks)
+            self.block_pool.touch(computed_blocks)
+            held.extend(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
+        held.extend(new_blocks)
+        self.req_to_slots[rid] = slots
+        if self.enable_caching:
+            self._cache_full_blocks(request, slots)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, slots: int) -> None:
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        first = self.num_cached_blocks[rid]
+        num_full = min(slots, request.num_tokens) // self.block_size
+        for i in range(first, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = max(first, num_full)
+        sink = self.block_pool.event_sink
+        if sink is not None and num_full > first:
+            bs = self.block_size
+            sink.blocks_stored(request.block_hashes[first:num_full], request.block_hashes[first - 1] if first else None,
+                               request.all_token_ids[first * bs:num_full * bs], bs, first, request.cache_salt,
+                               request.lora_id, request.mm_items)
+
+    def free(self, request: Request | str) -> None:
+        """Release the request's blocks; those reaching ref count 0 join the free queue's
+        tail in reverse block-table order, so a chain's tail is evicted before its head.
+        Freeing an unknown (or already freed) request does nothing."""
+        rid = request if isinstance(request, str) else request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_slots.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        self._requests.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(blocks[::-1])
+
+    def uncache_unwritten_blocks(self, request_id: str, num_written_tokens: int) -> None:
+        """After a failed forward: forget the hashes of the request's blocks past its
+        first ``num_written_tokens // block_size``, whose K/V were never written, so
+        no later request can hit garbage. Such a block is forgotten even when another
+        request holds it: that request hit it in the same step, so it ran in the same
+        failed forward (its cached-block count shrinks accordingly). The blocks stay
+        in the tables."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        keep = num_written_tokens // self.block_size
+        dropped = [b for b in blocks[keep:] if b.block_hash is not None]
+        for block in dropped:
+            self.block_pool.uncache(block)
+        self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], keep)
+        if not dropped:
+            return
+        for rid, table in self.req_to_blocks.items():
+            cached = self.num_cached_blocks[rid]
+            first = next((i for i, b in enumerate(table[:cached]) if b in dropped), None)
+            if first is not None:
+                self.num_cached_blocks[rid] = first
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes. Refused (returns False) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            logger.warning(
+                "prefix cache reset refused: %d blocks in use",
+                self.num_blocks - self.num_free_blocks,
+            )
+            return False
+        self._stats.resets += 1
+        return True
+
+    # ---------------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises AssertionError naming the first one broken."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"KV cache integrity: {msg}")
+
+        pool = self.block_pool
+        queue = pool.free_queue
+        # Free queue links, walked both ways.
+        forward: list[KVCacheBlock] = []
+        seen: set[int] = set()
+        cur = queue.head.next_free
+        prev = queue.head
+        while cur is not queue.tail:
+            if cur is None:
+                fail("free queue broken: a link is None")
+                return
+            if cur.prev_free is not prev:
+                fail(f"{cur}.prev_free does not point back")
+            if cur.block_id in seen:
+                fail(f"{cur} appears twice in the free queue")
+            seen.add(cur.block_id)
+            forward.append(cur)
+            prev, cur = cur, cur.next_free
+        if queue.tail.prev_free is not prev:
+            fail("tail.prev_free is not the last free block")
+        if len(forward) != queue.num_free_blocks:
+            fail(f"free queue holds {len(forward)} blocks, counter says {queue.num_free_blocks}")
+        # Ref counts against block tables.
+        refs = [0] * pool.num_blocks
+        for rid, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            if len(set(ids)) != len(ids):
+                fail(f"request {rid!r} holds a block twice: {ids}")
+            for b in blocks:
+                refs[b.block_id] += 1
+            expected = -(-self.req_to_slots[rid] // self.block_size)
+            if len(blocks) != expected:
+                fail(f"request {rid!r} holds {len(blocks)} blocks for {self.req_to_slots[rid]} slots")
+            req = self._requests[rid]
+            n_cached = self.num_cached_blocks[rid]
+            if n_cached > len(blocks):
+                fail(f"request {rid!r} has {n_cached} cached blocks of {len(blocks)}")
+            if self.enable_caching:
+                for i in range(n_cached):
+                    if blocks[i].block_hash != req.block_hashes[i]:
+                        fail(f"request {rid!r} block {i} ({blocks[i]}) lost its hash")
+        for block in pool.blocks:
+            if block.ref_cnt != refs[block.block_id]:
+                fail(f"{block} ref_cnt != {refs[block.block_id]} block-table references")
+            in_queue = block.block_id in seen
+            if in_queue != (block.ref_cnt == 0):
+                fail(f"{block} is {'in' if in_queue else 'not in'} the free queue")
+            if not in_queue and (block.prev_free is not None or block.next_free is not None):
+                fail(f"{block} has free-queue links but is not in the queue")
+            if block.block_hash is not None:
+                if pool.cached.get(block.block_hash, {}).get(block.block_id) is not block:
+                    fail(f"{block} has a hash missing from the hash map")
+                if not self.enable_caching:
+                    fail(f"{block} has a hash with caching disabled")
+        for h, same in pool.cached.items():
+            if not same:
+                fail("empty entry in the hash map")
+            for bid, block in same.items():
+                if block.block_id != bid or block.block_hash != h:
+                    fail(f"hash map entry for {block} disagrees with the block")

@@ -1,0 +1,130 @@
+"""ModelRunner: one forward over a flattened batch of sequences, K/V read and written in blocks.
+
+The engine loop hands the runner, for every scheduled sequence, the tokens to
+compute this step (a prefill chunk or one decode token), the position of the first
+one and the sequence's block table. The runner flattens them into one batch
+(``[T]`` token ids, positions and slots), runs the model once, and returns the
+float32 logits of the last token of every sequence that asked for them. New K/V
+are written into their block slots inside the forward, before attention reads them,
+so a sequence may read blocks another sequence of the same batch is writing.
+
+Two forwards: :class:`~engine.model.llama.LlamaForward` (the Llama family, written
+out with fused projections) and the model's own transformers module graph with
+:func:`~engine.model.attention.transformers_attention` registered (any other
+architecture whose attention is plain causal attention).
+
+Batch invariance: a CPU matrix product's row results depend on how many rows it
+has (measured: 1, 2 or 3 rows round differently from 4 or more in float32), so the
+flattened batch and the rows whose logits are computed are padded to a multiple
+of :data:`~engine.model.attention.ROW_MULTIPLE`. Attention is computed per
+sequence (prefill chunks) or per group of single-token sequences with equally long
+block tables (decodes), with the same per-sequence shapes either way, so a token
+gets the same bits alone, in any batch, cached or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.model import attention, llama
+from engine.model.attention import (
+    ROW_MULTIPLE,
+    AttentionBatch,
+    DecodeGroup,
+    SequenceSlice,
+    padded_length,
+)
+from engine.model.kv_storage import KVStorage
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's work in a step: compute ``token_ids`` at positions ``start ..``.
+
+    ``block_ids`` is its block table and covers every position up to ``start +
+    len(token_ids)``; positions before ``start`` already have their K/V in those
+    blocks. ``sample``: return logits for its last token.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    block_ids: Sequence[int]
+    sample: bool
+
+
+class ModelRunner:
+    """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
+
+    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None) -> None:
+        attention.check_supported(model.config)
+        self.model = model
+        self.storage = storage
+        self.lean = llama.supports(model) if lean is None else lean
+        self._llama: llama.LlamaForward | None = None
+        if self.lean:
+            self._llama = llama.LlamaForward(model)
+        else:
+            attention.install(model)
+
+    def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
+        """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
+        row per sequence with ``sample`` set, in order."""
+        storage = self.storage
+        bs = storage.layout.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SequenceSlice] = []
+        decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
+        logit_rows: list[int] = []
+        for seq in sequences:
+            n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
+            if n < 1:
+                raise ValueError("a scheduled sequence must compute at least one token")
+            row = len(ids)
+            ids.extend(seq.token_ids)
+            positions.extend(range(seq.start, end))
+            slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
+            used = -(-end // bs)
+            table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
+            if n == 1:
+                decodes.setdefault(len(table), []).append((row, seq.start, table))
+            else:
+                slices.append(SequenceSlice(row, n, seq.start, torch.tensor(table, dtype=torch.long)))
+            if seq.sample:
+                logit_rows.append(row + n - 1)
+        groups = [
+            DecodeGroup(
+                rows=torch.tensor([r for r, _, _ in members], dtype=torch.long),
+                positions=torch.tensor([p for _, p, _ in members], dtype=torch.long),
+                block_tables=torch.tensor([b for _, _, t in members for b in t], dtype=torch.long),
+                blocks_per_seq=length,
+            )
+            for length, members in decodes.items()
+        ]
+        num_logits = len(logit_rows)
+        pad = -len(ids) % ROW_MULTIPLE
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        slots.extend([storage.pad_slot] * pad)
+        logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % ROW_MULTIPLE or 0))
+        if not logit_rows:
+            logit_rows = [0] * ROW_MULTIPLE
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor(logit_rows, dtype=torch.long)
+        with torch.inference_mode():
+            if self._llama is not None:
+                logits = self._llama(input_ids, pos, batch, rows)
+            else:
+                out = self.model(
+                    input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
+                    logits_to_keep=rows, paged_batch=batch,
+                )
+                logits = out.logits[0]
+            return logits[:num_logits].float()

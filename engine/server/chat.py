@@ -1,0 +1,221 @@
+"""ChatRenderer: OpenAI chat messages -> prompt token ids (+ image items) via the chat template.
+
+The chat template always comes from the tokenizer. Before the template sees them,
+messages are normalized so that every template gets plain strings:
+
+* ``content`` may be a string, null, or a list of parts. Text parts are joined with
+  a single ``"\\n"`` between consecutive parts, in order, with no trimming (the
+  join is deterministic: the same parts always give the same string). An image part
+  contributes its placeholder text at its place in that join.
+* ``developer`` becomes ``system`` when the template does not mention ``developer``.
+* ``tools`` go to the template when its source mentions ``tools``. Otherwise they
+  are not dropped: each tool's JSON (keys in the order given) is written on its own
+  line under a header into the system message (a new first system message if there
+  is none), and an assistant message's ``tool_calls`` are appended to its content
+  as JSON, so tools always change the prompt (and its cache key) deterministically.
+
+Images: a model that does not accept images answers 400 "model does not accept
+images". For an image-capable model (an :class:`ImagePlaceholder` is configured)
+each image part is loaded (data: URLs only unless remote images are allowed),
+its placeholder token is expanded to ``tokens_per_image`` positions and a
+:class:`~engine.kvcache.block_hash.MultiModalItem` named by the image's SHA256 covers
+exactly those positions. The template is rendered to text and then encoded without
+added special tokens, all under one lock (HF tokenizers are not safe to share).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kvcache.block_hash import MultiModalItem
+from engine.server.errors import APIError, invalid_param
+from engine.server.images import ImageData, ImageFetcher, load_image
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+PART_JOIN = "\n"
+TOOLS_HEADER = "You may call the following tools. Each line is one tool as JSON:"
+
+
+@dataclass(frozen=True)
+class ImagePlaceholder:
+    """How an image-capable model marks an image: ``text`` encodes to the one token ``token_id``."""
+
+    text: str
+    token_id: int
+    tokens_per_image: int
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    token_ids: list[int]
+    mm_items: tuple[MultiModalItem, ...] = ()
+    images: tuple[ImageData, ...] = ()
+
+
+class ChatRenderer:
+    """Renders chat requests for one tokenizer; thread-safe."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        supports_images: bool = False,
+        image_placeholder: ImagePlaceholder | None = None,
+        allow_remote_images: bool = False,
+        fetch: ImageFetcher | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.supports_images = supports_images and image_placeholder is not None
+        self.image_placeholder = image_placeholder
+        self.allow_remote_images = allow_remote_images
+        self.fetch = fetch
+        source = _template_source(tokenizer)
+        self.template_has_tools = "tools" in source
+        self.template_has_developer = "developer" in source
+        self._lock = threading.Lock()
+        self.max_token_chars = max_token_chars(tokenizer)
+
+    def render(self, messages: Sequence[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+        """Token ids of the conversation followed by the assistant's generation prompt."""
+        images: list[ImageData] = []
+        conversation = [self._message(i, m, images) for i, m in enumerate(messages)]
+        if tools and not self.template_has_tools:
+            conversation = _inline_tools(conversation, tools)
+        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+        if tools and self.template_has_tools:
+            kwargs["tools"] = tools
+        with self._lock:
+            try:
+                text = self.tokenizer.apply_chat_template(conversation, **kwargs)
+            except Exception as exc:  # jinja errors, raise_exception(...) in templates
+                raise invalid_param(f"The chat template rejected the messages: {exc}", "messages",
+                                    "invalid_messages") from exc
+            token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not images:
+            return ChatPrompt(token_ids)
+        return self._expand_images(token_ids, images)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt, with the tokenizer's special tokens (as vLLM)."""
+        with self._lock:
+            return list(self.tokenizer.encode(text))
+
+    # --------------------------------------------------------------- messages
+    def _message(self, index: int, message: dict[str, Any], images: list[ImageData]) -> dict[str, Any]:
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid_param(f"messages[{index}].role must be one of {list(ROLES)}, got {role!r}.",
+                                f"messages[{index}].role")
+        if role == "developer" and not self.template_has_developer:
+            role = "system"
+        out: dict[str, Any] = {"role": role,
+                               "content": self._content(index, message.get("content"), images)}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if message.get(key) is not None:
+                out[key] = message[key]
+        return out
+
+    def _content(self, index: int, content: object, images: list[ImageData]) -> str:
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        param = f"messages[{index}].content"
+        if not isinstance(content, list):
+            raise invalid_param(f"{param} must be a string or an array of content parts.", param,
+                                "invalid_type")
+        pieces = [self._part(f"{param}[{j}]", part, images) for j, part in enumerate(content)]
+        return PART_JOIN.join(pieces)
+
+    def _part(self, param: str, part: object, images: list[ImageData]) -> str:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str):
+            return str(part["text"])
+        if not isinstance(part, dict) or kind != "image_url":
+            raise invalid_param(f"{param} must be a text part {{'type': 'text', 'text': ...}} or an "
+                                f"image_url part, got type {kind!r}.", param)
+        if not self.supports_images or self.image_placeholder is None:
+            raise APIError(400, "The model does not accept images (image_url content parts).",
+                           param=param, code="model_does_not_accept_images")
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        try:
+            images.append(load_image(url, allow_remote=self.allow_remote_images, fetch=self.fetch))
+        except ValueError as exc:
+            raise invalid_param(f"{param}.image_url: {exc}", f"{param}.image_url") from exc
+        return self.image_placeholder.text
+
+    # ----------------------------------------------------------------- images
+    def _expand_images(self, token_ids: list[int], images: list[ImageData]) -> ChatPrompt:
+        """Expand each placeholder token to its positions; one MultiModalItem per image, in order."""
+        spec = self.image_placeholder
+        assert spec is not None
+        positions = [i for i, tok in enumerate(token_ids) if tok == spec.token_id]
+        if len(positions) != len(images):
+            raise invalid_param(
+                f"Found {len(positions)} image placeholders in the rendered prompt for "
+                f"{len(images)} images; do not write the placeholder {spec.text!r} in text.",
+                "messages",
+            )
+        expanded: list[int] = []
+        items: list[MultiModalItem] = []
+        start = 0
+        for pos, image in zip(positions, images, strict=True):
+            expanded.extend(token_ids[start:pos])
+            items.append(MultiModalItem(image.sha256, len(expanded), spec.tokens_per_image))
+            expanded.extend([spec.token_id] * spec.tokens_per_image)
+            start = pos + 1
+        expanded.extend(token_ids[start:])
+        return ChatPrompt(expanded, tuple(items), tuple(images))
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for: its longest vocabulary entry.
+
+    Byte-level entries spell one byte per character and decode to at most as many
+    characters; added tokens are their text. So a text of ``c`` characters has at
+    least ``c / max_token_chars`` tokens, which lets a prompt be refused by its size
+    alone, before it is tokenized. A tokenizer with a normalizer (which may merge
+    characters) gets a factor 4 of slack; one without a vocabulary gives None (no bound).
+    """
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if not vocab:
+        return None
+    longest = max(len(str(entry)) for entry in vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 4 if backend is not None and getattr(backend, "normalizer", None) is not None else 1
+    return max(longest, 1) * slack
+
+
+def _template_source(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else ""
+
+
+def _inline_tools(conversation: list[dict[str, Any]],
+                  tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write tools and tool calls into the text, for templates that ignore them.
+
+    Keys are sorted, as Jinja's ``tojson`` does in templates that render tools, so the
+    same tools sent with another key order give the same prompt; tool order is kept.
+    """
+    block = "\n".join([TOOLS_HEADER, *(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)])
+    out = [dict(m) for m in conversation]
+    for message in out:
+        calls = message.pop("tool_calls", None)
+        if calls is not None:
+            joiner = PART_JOIN if message["content"] else ""
+            message["content"] += joiner + json.dumps(calls, ensure_ascii=False, sort_keys=True)
+    if out and out[0]["role"] == "system":
+        joiner = PART_JOIN + PART_JOIN if out[0]["content"] else ""
+        out[0]["content"] += joiner + block
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out

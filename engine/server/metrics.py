@@ -1,0 +1,127 @@
+"""EngineMetrics: the engine server's Prometheus metrics, in a registry of its own.
+
+Each app gets its own ``CollectorRegistry`` (never the process-global one), so
+several servers in one process (tests) do not clash. Prefix-cache and block
+figures are read from the engine at scrape time, so they can never drift from the
+KV cache manager's own counters; the server observes the TTFT histogram and counts
+requests itself.
+
+Exposed series (all labelled ``model_name``):
+
+* ``prefixgate_engine_prefix_cache_queries_tokens_total`` / ``..._hits_tokens_total``:
+  prompt tokens looked up in the prefix cache and tokens found there;
+* ``prefixgate_engine_prefix_cache_evictions_total``: cached blocks reused for new data;
+* ``prefixgate_engine_kv_blocks_used`` / ``..._free`` / ``..._total``;
+* ``prefixgate_engine_requests_running`` / ``..._waiting``;
+* ``prefixgate_engine_time_to_first_token_seconds``: histogram, request arrival to
+  the first generated token;
+* ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests.
+
+The same figures under vLLM's names (labels ``model_name`` and ``engine="0"``, as
+vLLM v1 exposes them), so dashboards built for vLLM work unchanged:
+
+* ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: tokens;
+* ``vllm:kv_cache_usage_perc``: fraction of KV blocks held by requests (0 to 1);
+* ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+PREFIX = "prefixgate_engine"
+VLLM_LABELS = ["model_name", "engine"]
+VLLM_ENGINE_INDEX = "0"  # one engine core per server, as vLLM labels its first
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector(Collector):
+    """Reads ``engine.stats()`` (an :class:`~engine.core.llm_engine.EngineStats`) at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        labels = [self.model_name]
+        yield _counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_cache_queries, labels)
+        yield _counter("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+                       stats.prefix_cache_hits, labels)
+        yield _counter("prefix_cache_evictions", "Cached KV blocks evicted to hold new data.",
+                       stats.evictions, labels)
+        yield _gauge("kv_blocks_used", "KV cache blocks held by running requests.",
+                     stats.num_used_blocks, labels)
+        yield _gauge("kv_blocks_free", "KV cache blocks in the free queue (cached or empty).",
+                     stats.num_free_blocks, labels)
+        yield _gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.num_blocks, labels)
+        yield _gauge("requests_running", "Requests running in the engine.", stats.num_running, labels)
+        yield _gauge("requests_waiting", "Requests waiting for admission.", stats.num_waiting, labels)
+        yield from self._vllm_named(stats)
+
+    def _vllm_named(self, stats: Any) -> Iterator[Metric]:
+        labels = [self.model_name, VLLM_ENGINE_INDEX]
+        usage = stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        for name, doc, value, family_type in (
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries, CounterMetricFamily),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits, CounterMetricFamily),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage, GaugeMetricFamily),
+            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running,
+             GaugeMetricFamily),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting,
+             GaugeMetricFamily),
+        ):
+            family = family_type(f"vllm:{name}", doc, labels=VLLM_LABELS)
+            family.add_metric(labels, value)
+            yield family
+
+
+def _counter(name: str, doc: str, value: float, labels: list[str]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+class EngineMetrics:
+    """The metrics of one server app; :meth:`render` is the body of ``GET /metrics``."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine, model_name))
+        self._ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Seconds from request arrival to the first generated token.",
+            labelnames=["model_name"], buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self._ttft_child = self._ttft.labels(model_name)  # exported as 0 before any observation
+        self._requests = Counter(
+            f"{PREFIX}_requests", "Finished HTTP generation requests.",
+            labelnames=["model_name", "endpoint", "outcome"], registry=self.registry,
+        )
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft_child.observe(seconds)
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        """``outcome``: a finish reason ("stop", "length"), "abort", "error" or "client_error"."""
+        self._requests.labels(self.model_name, endpoint, outcome).inc()
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,361 @@
+"""GenerationBody: an OpenAI request body, type- and range-checked, before tokenization.
+
+:func:`parse_chat_body` and :func:`parse_completion_body` take the decoded JSON of
+``POST /v1/chat/completions`` and ``POST /v1/completions`` and either return a
+:class:`GenerationBody` or raise :class:`~engine.server.errors.APIError` naming the bad
+field in ``param``. Nothing here touches the tokenizer or the engine; the prompt
+length checks happen in :meth:`GenerationBody.sampling_params` once the prompt is
+tokenized.
+
+Rules (each enforced in exactly one place below):
+
+* JSON ``null`` means "not given" for every optional field, as in OpenAI's API;
+* booleans are never accepted where a number is expected (``True`` is not ``1``);
+* fields this engine does not implement are refused with ``code:
+  "unsupported_parameter"`` when set to anything but their neutral value (``n=1``,
+  ``logprobs=false``, zero penalties, ...), never silently ignored; unknown
+  extra fields are ignored, as vLLM does;
+* ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
+* ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
+* JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
+  ``json_too_deep``) before anything walks it recursively: the chat template, the
+  tool renderer and JSON encoders would otherwise fail with a recursion error.
+  :func:`json_too_deep` is also the gateway's check, so both servers agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core.sampling_params import SamplingParams
+from engine.kvcache.request import MAX_CACHE_SALT_CHARS
+from engine.server.errors import context_length_exceeded, invalid_param, unsupported_param
+
+MAX_JSON_DEPTH = 128
+MAX_STOP_STRINGS = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class GenerationBody:
+    """A validated chat or completion request; exactly one of messages/prompt is set."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    max_tokens: int | None  # None: chat fills the context, completions use 16
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+
+    def text_chars(self) -> int:
+        """Characters of prompt text the body carries (message contents, text parts, a string
+        prompt): a lower bound of what the tokenizer will see, counted without rendering."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        total = 0
+        for message in self.messages or ():
+            content = message.get("content")
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return total
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Sampling parameters for a prompt of ``num_prompt_tokens``.
+
+        Raises APIError ``context_length_exceeded`` when the prompt leaves no room
+        for one generated token, or an explicit ``max_tokens`` does not fit.
+        """
+        param = "messages" if self.kind == "chat" else "prompt"
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
+                param,
+            )
+        if self.max_tokens is None:
+            max_tokens = room if self.kind == "chat" else min(room, COMPLETION_DEFAULT_MAX_TOKENS)
+        elif self.max_tokens > room:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {num_prompt_tokens} tokens and {self.max_tokens} were requested for the "
+                f"completion ({num_prompt_tokens + self.max_tokens} in total).",
+                "max_tokens",
+            )
+        else:
+            max_tokens = self.max_tokens
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def parse_chat_body(body: object, vocab_size: int) -> GenerationBody:
+    """Validate a chat completion request body (the message structure is checked by chat.py)."""
+    obj = _require_object(body)
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_param("'messages' must be a non-empty array of message objects.", "messages")
+    if not all(isinstance(m, dict) for m in messages):
+        raise invalid_param("Every entry of 'messages' must be an object.", "messages")
+    tools = obj.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise invalid_param("'tools' must be an array of tool objects.", "tools")
+    _refuse_unless(obj, "logprobs", (False,), "logprobs are not supported by this engine.")
+    _refuse_unless(obj, "top_logprobs", (0,), "top_logprobs are not supported by this engine.")
+    _check_tool_choice(obj.get("tool_choice"))
+    _check_response_format(obj.get("response_format"))
+    max_tokens = _opt_int(obj, "max_completion_tokens", 1, _INT64_MAX)
+    legacy = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
+    return _common(obj, "chat", vocab_size, max_tokens if max_tokens is not None else legacy,
+                   messages=messages, tools=tools or None)
+
+
+def parse_completion_body(body: object, vocab_size: int) -> GenerationBody:
+    """Validate a legacy completion request body; the prompt is a string or token ids."""
+    obj = _require_object(body)
+    prompt = _parse_prompt(obj.get("prompt"), vocab_size)
+    _refuse_unless(obj, "logprobs", (), "logprobs are not supported by this engine.")
+    _refuse_unless(obj, "echo", (False,), "echo is not supported by this engine.")
+    _refuse_unless(obj, "suffix", ("",), "suffix is not supported by this engine.")
+    _refuse_unless(obj, "best_of", (1,), "best_of other than 1 is not supported by this engine.")
+    max_tokens = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
+    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt)
+
+
+def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | None,
+            **inputs: Any) -> GenerationBody:
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_param("'model' must be a string.", "model")
+    n = _opt_int(obj, "n", 1, _INT64_MAX)
+    if n is not None and n != 1:
+        raise unsupported_param(f"n={n} is not supported: this engine returns one choice (n=1).", "n")
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+        value = _opt_number(obj, name, -2.0 if neutral == 0.0 else 0.0, 2.0)
+        if value is not None and value != neutral:
+            raise unsupported_param(f"{name} is not supported by this engine (got {value}).", name)
+    _refuse_unless(obj, "logit_bias", ({},), "logit_bias is not supported by this engine.")
+    _refuse_unless(obj, "min_tokens", (0,), "min_tokens is not supported by this engine.")
+    stream = _opt_bool(obj, "stream") or False
+    top_k = _opt_int(obj, "top_k", -1, _INT64_MAX)
+    temperature = _opt_number(obj, "temperature", 0.0, 2.0)
+    top_p = _opt_number(obj, "top_p", 0.0, 1.0)
+    if top_p is not None and top_p == 0.0:
+        raise invalid_param("'top_p' must be in (0, 1], got 0.", "top_p")
+    return GenerationBody(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=_include_usage(obj, stream),
+        cache_salt=_cache_salt(obj.get("cache_salt")),
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=None if top_k is None or top_k <= 0 else top_k,
+        seed=_opt_int(obj, "seed", _INT64_MIN, _INT64_MAX),
+        stop=_stop(obj.get("stop")),
+        stop_token_ids=_stop_token_ids(obj.get("stop_token_ids"), vocab_size),
+        ignore_eos=_opt_bool(obj, "ignore_eos") or False,
+        **inputs,
+    )
+
+
+def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``value`` nests objects/arrays more than ``limit`` levels deep.
+
+    ``{}`` and ``[]`` are one level, a scalar zero. Walks level by level without
+    recursion and stops as soon as the limit is passed, so a hostile body costs one
+    pass over its containers at most.
+    """
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    for _ in range(limit):
+        if not level:
+            return False
+        children: list[Any] = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            children.extend(item for item in items if isinstance(item, dict | list))
+        level = children
+    return bool(level)
+
+
+def too_deep_field(body: dict[str, Any]) -> str | None:
+    """The first field of ``body`` that takes the body past :data:`MAX_JSON_DEPTH` levels."""
+    for name, value in body.items():
+        if json_too_deep(value, MAX_JSON_DEPTH - 1):
+            return str(name)
+    return None
+
+
+def _require_object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid_param("The request body must be a JSON object.", None, "invalid_json")
+    field = too_deep_field(body)
+    if field is not None:
+        raise invalid_param(f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep.", field,
+                            "json_too_deep")
+    return body
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _opt_number(obj: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid_param(f"'{name}' must be a number, got {_type_name(value)}.", name, "invalid_type")
+    if not lo <= value <= hi:
+        raise invalid_param(f"'{name}' must be between {lo} and {hi}, got {value}.", name)
+    return float(value)
+
+
+def _opt_int(obj: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_param(f"'{name}' must be an integer, got {_type_name(value)}.", name, "invalid_type")
+    if not lo <= value <= hi:
+        bound = f">= {lo}" if hi == _INT64_MAX else f"between {lo} and {hi}"
+        raise invalid_param(f"'{name}' must be {bound}, got {value}.", name)
+    return value
+
+
+def _opt_bool(obj: dict[str, Any], name: str) -> bool | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid_param(f"'{name}' must be a boolean, got {_type_name(value)}.", name, "invalid_type")
+    return value
+
+
+def _refuse_unless(obj: dict[str, Any], name: str, neutral: tuple[object, ...], message: str) -> None:
+    value = obj.get(name)
+    if value is None or any(value == n and type(value) is type(n) for n in neutral):
+        return
+    raise unsupported_param(message, name)
+
+
+def _include_usage(obj: dict[str, Any], stream: bool) -> bool:
+    options = obj.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_param("'stream_options' must be an object.", "stream_options", "invalid_type")
+    if not stream:
+        raise invalid_param("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    return _opt_bool(options, "include_usage") or False
+
+
+def _cache_salt(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS:
+        got = f"a string of {len(value)} characters" if isinstance(value, str) else _type_name(value)
+        raise invalid_param(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+            f"characters, got {got}.",
+            "cache_salt",
+        )
+    return value
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise invalid_param(
+            f"'stop' must be a non-empty string or an array of at most {MAX_STOP_STRINGS} "
+            "non-empty strings.",
+            "stop",
+        )
+    return tuple(stops)
+
+
+def _token_ids(value: object, vocab_size: int) -> list[int] | None:
+    """The list as token ids if every entry is an int in [0, vocab_size), else None."""
+    if not isinstance(value, list):
+        return None
+    for tok in value:
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            return None
+    return value
+
+
+def _stop_token_ids(value: object, vocab_size: int) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = _token_ids(value, vocab_size)
+    if ids is None:
+        raise invalid_param(
+            f"'stop_token_ids' must be an array of token ids in [0, {vocab_size}).", "stop_token_ids"
+        )
+    return tuple(ids)
+
+
+def _parse_prompt(value: object, vocab_size: int) -> str | list[int]:
+    """A string or token ids; a batch of exactly one (``["..."]``, ``[[ids]]``) is unwrapped."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
+        raise unsupported_param("Batched prompts are not supported: send one prompt per request.",
+                                "prompt")
+    ids = _token_ids(value, vocab_size)
+    if ids:
+        return ids
+    raise invalid_param(
+        f"'prompt' must be a non-empty string or a non-empty array of token ids in [0, {vocab_size}).",
+        "prompt",
+    )
+
+
+def _check_tool_choice(value: object) -> None:
+    if value is None or value in ("none", "auto"):
+        return
+    raise unsupported_param(
+        "Only tool_choice 'auto' and 'none' are supported: this engine does not force tool calls.",
+        "tool_choice",
+    )
+
+
+def _check_response_format(value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid_param("'response_format' must be an object with a 'type'.", "response_format")
+    if value["type"] != "text":
+        raise unsupported_param(
+            f"response_format type {value['type']!r} is not supported; only 'text' is.",
+            "response_format",
+        )

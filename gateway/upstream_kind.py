@@ -1,0 +1,90 @@
+"""The kind of server behind the gateway, and the cache-routing fields each kind gets.
+
+Two kinds (``--upstream-kind``, ``[server] upstream_kind``):
+
+* ``vllm`` (the default): vLLM, SGLang, prefixgate's own engine. The body carries
+  ``cache_salt = derive_cache_salt(secret, scope, client salt)`` (see
+  :mod:`gateway.salt`); a cache salt keeps tenants' KV blocks apart.
+* ``openai``: OpenAI's hosted API, which rejects parameters it does not know
+  (``cache_salt`` among them) and routes cached prefixes by ``prompt_cache_key``.
+  The gateway never sends ``cache_salt`` there; it sends
+  ``prompt_cache_key = "pg-" + HMAC(secret, scope || 0x00 || "prompt_cache_key" ||
+  0x00 || family [|| 0x00 || client value])[:32 hex]`` and drops any client
+  ``prompt_cache_key`` (or ``cache_salt``) from the body, folding it into the
+  derivation instead, as salts do: a client value only narrows its own scope.
+
+Invariants: the derivation goes through :func:`gateway.salt.derive_cache_salt`
+(one HMAC scheme, unambiguous because scopes and the family's JSON hold no NUL),
+so two tenants with different isolation scopes never share a key, whatever
+they send; the family is the linter's (model + masked leading instructions), so
+requests that should share a prefix share a key.
+
+Autodetection (no kind given): ``openai`` for ``api.openai.com``, else ``vllm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from gateway.config import UPSTREAM_KINDS
+from gateway.salt import derive_cache_salt
+
+OPENAI_HOSTS = frozenset({"api.openai.com"})
+CACHE_KEY_FIELD = "prompt_cache_key"
+CACHE_KEY_PREFIX = "pg-"
+CACHE_KEY_HEX_CHARS = 32  # 128 bits
+API_KEY_ENV = "PREFIXGATE_UPSTREAM_API_KEY"
+
+
+def resolve_kind(kind: str | None, upstream_url: str) -> str:
+    """The kind to use: ``kind`` when given (validated), else detected from the URL."""
+    if kind is not None:
+        if kind not in UPSTREAM_KINDS:
+            raise ValueError(f"upstream kind must be one of {', '.join(UPSTREAM_KINDS)}, got {kind!r}")
+        return kind
+    host = (urlsplit(upstream_url).hostname or "").lower()
+    return "openai" if host in OPENAI_HOSTS else "vllm"
+
+
+def request_family(body: Mapping[str, Any]) -> bytes:
+    """The request family as bytes: model + the masked leading system/developer texts."""
+    from linter.request_families import family_key
+
+    return orjson.dumps(family_key(body))
+
+
+def prompt_cache_key(secret: bytes, scope: str | None, body: Mapping[str, Any], client_value: str | None) -> str:
+    """The server-derived ``prompt_cache_key`` for a request of ``scope`` (see the module doc)."""
+    message = CACHE_KEY_FIELD + "\x00" + request_family(body).decode("utf-8")
+    if client_value is not None:
+        message += "\x00" + client_value
+    digest = derive_cache_salt(secret, scope, message)
+    assert digest is not None  # a message is always given
+    return CACHE_KEY_PREFIX + digest[:CACHE_KEY_HEX_CHARS]
+
+
+def scoped_body(
+    kind: str, body: Mapping[str, Any], secret: bytes, scope: str | None, client_salt: str | None
+) -> dict[str, Any]:
+    """A copy of ``body`` with the cache fields of ``kind``; ``body`` lacks the client's salt.
+
+    ``vllm``: ``cache_salt`` derived from the scope and the client's salt (none for a
+    shared tenant without one). ``openai``: no ``cache_salt``; on chat requests a
+    ``prompt_cache_key`` derived from the scope, the family and the client's key or
+    salt (legacy completions carry neither field: OpenAI does not list the key there).
+    """
+    upstream_body = dict(body)
+    if kind == "openai":
+        client_key = upstream_body.pop(CACHE_KEY_FIELD, None)
+        if "messages" in body:  # chat: the one endpoint whose parameters include the key
+            client_value = client_key if isinstance(client_key, str) else client_salt
+            upstream_body[CACHE_KEY_FIELD] = prompt_cache_key(secret, scope, body, client_value)
+        return upstream_body
+    salt = derive_cache_salt(secret, scope, client_salt)
+    if salt is not None:
+        upstream_body["cache_salt"] = salt
+    return upstream_body

@@ -1,7 +1,0 @@
-"""PS303: every marked line of tests/linter/cases/ps303_cases.py is reported, nothing else."""
-
-from lint_cases import assert_source_cases
-
-
-def test_ps303_reports_marked_lines_only():
-    assert_source_cases("PS303")

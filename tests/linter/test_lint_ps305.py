@@ -1,7 +1,0 @@
-"""PS305: every marked line of tests/linter/cases/ps305_cases.py is reported, nothing else."""
-
-from lint_cases import assert_source_cases
-
-
-def test_ps305_reports_marked_lines_only():
-    assert_source_cases("PS305")
