@@ -54,8 +54,9 @@ from bad_requests import cases, check_answer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "SmolLM2-135M-Instruct"
-FAULTS = ["500", "503", "invalid_json", "malformed_event", "error_event", "cut"]
-TENANT_KEYS = {"alpha": "campaign-key-alpha", "beta": "campaign-key-beta"}
+FAULTS = ["500", "503", "invalid_json"]  # any request
+STREAM_FAULTS = [*FAULTS, "malformed_event", "error_event", "cut"]  # after the first event of a stream
+TENANT_KEYS = {name: f"campaign-key-{name}" for name in ("alpha", "beta", "faults", "cancel")}
 
 
 def free_port() -> int:
@@ -93,9 +94,9 @@ class FaultProxy:
         self.enabled = False
         self.client = httpx.AsyncClient(timeout=300)
 
-    def fault_for(self, number: int) -> str | None:
+    def fault_for(self, number: int, stream: bool) -> str | None:
         rng = random.Random(f"fault:{self.seed}:{number}")
-        return rng.choice(FAULTS) if self.enabled and rng.random() < self.rate else None
+        return rng.choice(STREAM_FAULTS if stream else FAULTS) if self.enabled and rng.random() < self.rate else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -110,11 +111,11 @@ class FaultProxy:
             if not message.get("more_body"):
                 break
         fault = None
+        stream = b'"stream": true' in body or b'"stream":true' in body
         marker = body.find(b"req-")
         if marker >= 0:
             digits = body[marker + 4: marker + 14].split(b" ")[0].split(b'"')[0]
-            fault = self.fault_for(int(digits)) if digits.isdigit() else None
-        stream = b'"stream": true' in body or b'"stream":true' in body
+            fault = self.fault_for(int(digits), stream) if digits.isdigit() else None
         if fault in ("500", "503"):
             await _respond(send, int(fault), b'{"error": {"message": "injected", "type": "server_error"}}')
             return
@@ -176,8 +177,9 @@ def serve_in_thread(app: Any) -> tuple[str, uvicorn.Server]:
 # --------------------------------------------------------------------------- processes
 
 class Processes:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, max_model_len: int) -> None:
         self.workdir = workdir
+        self.max_model_len = max_model_len
         self.engine_key = secrets.token_urlsafe(32)
         self.children: list[subprocess.Popen[bytes]] = []
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -185,7 +187,8 @@ class Processes:
     def engine(self) -> str:
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port), "--log-level", "warning"],
+            [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port), "--log-level", "warning",
+             "--max-model-len", str(self.max_model_len)],
             env={**self.env, "PREFIXGATE_ENGINE_API_KEY": self.engine_key})
         self.children.append(process)
         url = f"http://127.0.0.1:{port}"
@@ -221,9 +224,11 @@ class Processes:
                 process.kill()
 
 
-def db_rows(path: Path) -> list[tuple[int, str | None]]:
+def db_rows(path: Path, tenant: str | None = None) -> list[tuple[int, str | None]]:
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as connection:
-        return list(connection.execute("SELECT status, error_code FROM request_log"))
+        if tenant is None:
+            return list(connection.execute("SELECT status, error_code FROM request_log"))
+        return list(connection.execute("SELECT status, error_code FROM request_log WHERE tenant = ?", (tenant,)))
 
 
 def engine_blocks_used(engine: str, key: str) -> float:
@@ -261,7 +266,9 @@ def phase_malformed(engine: str, gateway: str, engine_key: str, count: int, seed
     requests = [(case.path, case.body) for case in all_cases]
     out: dict[str, Any] = {"cases": count, "seed": seed}
     for name, url, key in (("engine", engine, engine_key), ("gateway", gateway, TENANT_KEYS["alpha"])):
+        started = time.perf_counter()
         answers = asyncio.run(post_all(url, requests, key))
+        print(f"    {name}: {count} cases in {time.perf_counter() - started:.0f} s", flush=True)
         problems = [(case, check_answer(status, content)) for case, (status, content) in zip(all_cases, answers, strict=True)]
         bad = [(case, problem) for case, problem in problems if problem is not None]
         out[name] = {
@@ -274,15 +281,14 @@ def phase_malformed(engine: str, gateway: str, engine_key: str, count: int, seed
 
 
 def phase_faults(gateway: str, proxy: FaultProxy, db: Path, count: int) -> dict[str, Any]:
-    before = len(db_rows(db))
     proxy.enabled = True
     numbers = list(range(100_000, 100_000 + count))
     requests = [("/v1/chat/completions", json.dumps(chat(n, stream=n % 2 == 0)).encode()) for n in numbers]
-    answers = asyncio.run(post_all(gateway, requests, TENANT_KEYS["alpha"]))
+    answers = asyncio.run(post_all(gateway, requests, TENANT_KEYS["faults"]))
     wrong: list[str] = []
     faulted = 0
     for number, (status, content) in zip(numbers, answers, strict=True):
-        fault = proxy.fault_for(number)  # the proxy's decision (still enabled here)
+        fault = proxy.fault_for(number, number % 2 == 0)  # the proxy's decision (still enabled here)
         failed = status >= 500 or (status == 200 and b'"error"' in content)
         if fault is None and (status != 200 or failed or check_answer(status, content)):
             wrong.append(f"req-{number} unfaulted: {status} {content[:120]!r}")
@@ -294,9 +300,9 @@ def phase_faults(gateway: str, proxy: FaultProxy, db: Path, count: int) -> dict[
                 wrong.append(f"req-{number} {fault}: error body not OpenAI-shaped")
     proxy.enabled = False
     deadline = time.monotonic() + 30
-    while len(db_rows(db)) < before + count and time.monotonic() < deadline:
+    while len(db_rows(db, "faults")) < count and time.monotonic() < deadline:
         time.sleep(0.1)
-    rows = db_rows(db)[before:]
+    rows = db_rows(db, "faults")
     return {"requests": count, "faulted": faulted, "wrong": len(wrong), "examples": wrong[:5],
             "rows": len(rows), "rows_5xx": sum(status >= 500 for status, _ in rows)}
 
@@ -304,14 +310,13 @@ def phase_faults(gateway: str, proxy: FaultProxy, db: Path, count: int) -> dict[
 async def _cancel_one(client: httpx.AsyncClient, number: int) -> bool:
     body = chat(number, stream=True, max_tokens=64, content=f"req-{number} Write a long story about a bicycle.")
     async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"authorization": f"Bearer {TENANT_KEYS['beta']}"}) as response:
+                             headers={"authorization": f"Bearer {TENANT_KEYS['cancel']}"}) as response:
         async for _ in response.aiter_bytes():
             return True  # close after the first bytes
     return False
 
 
 def phase_cancel(gateway: str, engine: str, engine_key: str, db: Path, bursts: int, size: int) -> dict[str, Any]:
-    before = len(db_rows(db))
 
     async def run() -> int:
         started = 0
@@ -324,9 +329,9 @@ def phase_cancel(gateway: str, engine: str, engine_key: str, db: Path, bursts: i
     started = asyncio.run(run())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (engine_blocks_used(engine, engine_key) > 0
-                                           or len(db_rows(db)) < before + bursts * size):
+                                           or len(db_rows(db, "cancel")) < bursts * size):
         time.sleep(0.2)
-    rows = db_rows(db)[before:]
+    rows = db_rows(db, "cancel")
     return {"cancelled": bursts * size, "started": started, "rows": len(rows),
             "rows_499": sum(status == 499 for status, _ in rows),
             "blocks_in_use_after": engine_blocks_used(engine, engine_key)}
@@ -359,43 +364,52 @@ def phase_engine_auth(engine: str) -> dict[str, Any]:
 
 
 def phase_oversized(engine: str, gateway: str, engine_key: str, quiet: int) -> dict[str, Any]:
+    """Two 7.5 MiB messages at a time, sent over and over from two threads, while another
+    tenant's one-token requests are timed from this one, until ``quiet`` of them ran."""
     big = json.dumps(chat(0, stream=False, content="x" * (7 * 1024 * 1024 + 512 * 1024))).encode()
+    return {
+        "engine": _oversized_side(engine, engine_key, engine_key, big, quiet),
+        "gateway": _oversized_side(gateway, TENANT_KEYS["alpha"], TENANT_KEYS["beta"], big, quiet),
+    }
 
-    async def run() -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=600) as client:
-            async def small(url: str, key: str) -> float:
-                start = time.perf_counter()
-                response = await client.post(url + "/v1/chat/completions", json=chat(1, stream=False, max_tokens=1),
-                                             headers={"authorization": f"Bearer {key}"})
-                response.raise_for_status()
-                return time.perf_counter() - start
 
-            async def refuse(url: str, key: str) -> tuple[int, float]:
+def _oversized_side(url: str, key: str, other_key: str, big: bytes, quiet: int) -> dict[str, Any]:
+    small_body = chat(1, stream=False, max_tokens=1)
+    stop = threading.Event()
+    refusals: list[tuple[int, float]] = []
+
+    def refuse_forever() -> None:
+        with httpx.Client(timeout=600) as sender:
+            while not stop.is_set():
                 start = time.perf_counter()
-                response = await client.post(url + "/v1/chat/completions", content=big, headers={
+                response = sender.post(url + "/v1/chat/completions", content=big, headers={
                     "authorization": f"Bearer {key}", "content-type": "application/json"})
-                return response.status_code, time.perf_counter() - start
+                refusals.append((response.status_code, time.perf_counter() - start))
 
-            out: dict[str, Any] = {}
-            for name, url, key in (("engine", engine, engine_key), ("gateway", gateway, TENANT_KEYS["alpha"])):
-                other_key = engine_key if name == "engine" else TENANT_KEYS["beta"]
-                idle = [await small(url, other_key) for _ in range(quiet)]
-                refusals = asyncio.gather(refuse(url, key), refuse(url, key))
-                during: list[float] = []
-                task = asyncio.ensure_future(refusals)
-                while not task.done():
-                    during.append(await small(url, other_key))
-                results = await task
-                out[name] = {
-                    "refusal_statuses": [status for status, _ in results],
-                    "refusal_s": max(seconds for _, seconds in results),
-                    "other_idle_p99_ms": 1000 * _p99(idle),
-                    "other_during_p99_ms": 1000 * _p99(during),
-                    "other_during_n": len(during),
-                }
-            return out
+    with httpx.Client(timeout=600) as client:
+        def small() -> float:
+            start = time.perf_counter()
+            client.post(url + "/v1/chat/completions", json=small_body,
+                        headers={"authorization": f"Bearer {other_key}"}).raise_for_status()
+            return time.perf_counter() - start
 
-    return asyncio.run(run())
+        idle = [small() for _ in range(quiet)]
+        senders = [threading.Thread(target=refuse_forever) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        while not refusals:  # the oversized requests are flowing: measure from here
+            time.sleep(0.01)
+        during = [small() for _ in range(quiet)]
+        stop.set()
+        for sender in senders:
+            sender.join()
+    return {
+        "refusal_statuses": [status for status, _ in refusals],
+        "refusal_s": max(seconds for _, seconds in refusals),
+        "other_idle_p99_ms": 1000 * _p99(idle),
+        "other_during_p99_ms": 1000 * _p99(during),
+        "other_during_n": len(during),
+    }
 
 
 def _p99(values: list[float]) -> float:
@@ -444,6 +458,8 @@ def main() -> int:
     parser.add_argument("--fault-requests", type=int, default=2000, help="requests with injected faults")
     parser.add_argument("--fault-rate", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="the engine's context (default 2048: bounds the prefill of the largest valid cases)")
     parser.add_argument("--quick", action="store_true", help="200 cases, 200 fault requests")
     args = parser.parse_args()
     if args.quick:
@@ -451,7 +467,7 @@ def main() -> int:
     results: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version(),
                                "cpus": os.cpu_count(), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="prefixgate-campaign-") as tmp:
-        processes = Processes(Path(tmp))
+        processes = Processes(Path(tmp), args.max_model_len)
         try:
             engine = processes.engine()
             proxy = FaultProxy(engine, processes.engine_key, args.seed, args.fault_rate)
@@ -506,7 +522,8 @@ def print_table(r: dict[str, Any]) -> int:
     for name in ("engine", "gateway"):
         side = o[name]
         rows.append((f"7.5 MiB message -> {name}: statuses, seconds to refuse",
-                     f"{side['refusal_statuses']}, {side['refusal_s']:.2f} s",
+                     f"{sorted(set(side['refusal_statuses']))} x{len(side['refusal_statuses'])}, "
+                     f"max {side['refusal_s']:.2f} s",
                      all(400 <= s < 500 for s in side["refusal_statuses"])))
         rows.append((f"  other tenant p99 via {name}: idle / during (ms)",
                      f"{side['other_idle_p99_ms']:.0f} / {side['other_during_p99_ms']:.0f} "
