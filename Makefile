@@ -47,6 +47,7 @@ bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/lint_throughput.py
 	$(PY) benchmarks/gateway_overhead.py
+	$(PY) benchmarks/gateway_load.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

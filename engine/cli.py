@@ -14,7 +14,13 @@ import logging
 import os
 from typing import Any
 
-from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY_GIB, DTYPES
+from engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_MEMORY_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,12 @@ def add_parser(subparsers: Any) -> None:
                         "natively, else float32 (default: auto)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                        help=f"requests batched in one forward at most (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="TOKENS",
+                        help="tokens per forward at most: decode tokens plus prefill chunks "
+                        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name clients send (default: the model's name)")
     parser.add_argument("--allow-remote-images", action="store_true",
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         )
         events_config = None
         if args.kv_events_config is not None:

@@ -1,10 +1,11 @@
 """The stats database: SQLAlchemy engine setup and Alembic migrations.
 
 SQLite databases run in WAL mode (readers never block the writer) with
-``synchronous=NORMAL``; a new database file is created 0600, and SQLite gives its
-``-wal`` and ``-shm`` files the same mode. The schema is owned by Alembic (``gateway/migrations/``,
-package data that the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the
-location).
+``synchronous=NORMAL`` and a 10 s busy timeout, so several gateway worker processes
+can each write their own short batches to one file (SQLite serializes them). A new
+database file is created 0600, and SQLite gives its ``-wal`` and ``-shm`` files the
+same mode. The schema is owned by Alembic (``gateway/migrations/``, package data that
+the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the location).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def default_db_url(data_dir: Path) -> str:
 
 def _enable_wal(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA busy_timeout=10000")  # first: the next pragma may wait for another process
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
 
 

@@ -35,13 +35,15 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, port: int, extra_args: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, extra_args: Sequence[str] = (), host: str = "127.0.0.1",
+                 api_key: str | None = None) -> None:
+        """``api_key``: the key to hand the engine (replicas of one run share one); None draws one."""
         if any(arg.split("=", 1)[0] == "--api-key" for arg in extra_args):
             raise ValueError("the engine's API key is drawn per run by 'serve': drop --api-key from --engine-arg")
         self.host = host
         self.port = port
         self.command = [sys.executable, "-m", "gateway.cli", "engine", "--host", host, "--port", str(port), *extra_args]
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
         self.stopping = False
 
