@@ -138,11 +138,14 @@ def parse_routing_table(value: Any) -> RoutingOptions:
     )
 
 
-def local_replicas(count: int, engine_port: int, events_port: int) -> list[tuple[list[str], ReplicaSpec]]:
+def local_replicas(count: int, engine_port: int, events_dir: Path) -> list[tuple[list[str], ReplicaSpec]]:
     """``prefixgate serve --replicas N``: per replica, its extra engine arguments and its spec.
 
     Replica ``i`` listens on ``engine_port + i`` and publishes KV events on
-    ``tcp://127.0.0.1:events_port + 2i`` (replay on the next port), loopback only.
+    ``ipc://events_dir/rI-events.sock`` (replay: ``rI-replay.sock``). Events carry the
+    token ids of every tenant's cached prompts, so they never go on a TCP port that
+    any local process could subscribe to: ``events_dir`` is a directory only the
+    owner can enter (``serve`` makes it with ``tempfile.mkdtemp``, mode 0700).
     """
     import json
 
@@ -154,8 +157,8 @@ def local_replicas(count: int, engine_port: int, events_port: int) -> list[tuple
         if count == 1:
             out.append(([], make_spec(url, None, i)))
             continue
-        events = f"tcp://127.0.0.1:{events_port + 2 * i}"
-        replay = f"tcp://127.0.0.1:{events_port + 2 * i + 1}"
+        events = f"ipc://{events_dir / f'r{i}-events.sock'}"
+        replay = f"ipc://{events_dir / f'r{i}-replay.sock'}"
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                   "replay_endpoint": replay, "topic": "kv-events"}
         out.append((["--kv-events-config", json.dumps(config)], make_spec(url, None, i, events, replay, "kv-events")))

@@ -38,8 +38,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--replicas", type=int, default=1,
                         help="engines to start on consecutive ports from --engine-port, routed by "
                         "their KV events (default 1; see docs/routing.md)")
-    parser.add_argument("--kv-events-port", type=int, default=5557,
-                        help="first loopback port of the replicas' KV events (2 per replica, default 5557)")
     add_routing_options(parser)
     parser.set_defaults(func=run)
 
@@ -53,18 +51,22 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
     import secrets
+    import shutil
     import signal
+    import tempfile
+    from pathlib import Path
 
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
     from gateway.ports import ensure_free
     from gateway.replica_spec import local_replicas
 
+    events_dir = Path(tempfile.mkdtemp(prefix="prefixgate-kv-events-"))  # 0700: events name tokens
     try:
         api_key = secrets.token_urlsafe(32)
         # Both ports before anything starts: a port taken by another engine would
         # otherwise answer our health check, and the gateway would die later.
-        replicas = local_replicas(args.replicas, args.engine_port, args.kv_events_port)
+        replicas = local_replicas(args.replicas, args.engine_port, events_dir)
         engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra], api_key=api_key)
                    for i, (extra, _) in enumerate(replicas)]
         if args.port in range(args.engine_port, args.engine_port + len(engines)):
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(build_settings(args, engines[0].url, [spec for _, spec in replicas]),
                                        upstream_api_key=api_key)
     except ValueError as exc:
+        shutil.rmtree(events_dir, ignore_errors=True)
         return fail(str(exc))
     log = logging.getLogger("prefixgate.serve")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -116,3 +119,4 @@ def run(args: argparse.Namespace) -> int:
         for engine in engines:
             code = engine.stop()
             log.info("engine stopped (exit status %s)", code)
+        shutil.rmtree(events_dir, ignore_errors=True)

@@ -32,12 +32,12 @@ def system_prompt(tenant: str) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     data = tmp_path_factory.mktemp("replicas")
-    port, engine_port, events_port = free_port(), free_port(), free_port()
+    port, engine_port = free_port(), free_port()
     # Consecutive ports must be free too; free_port() only checks one, so pick a high base.
-    engine_port, events_port = 20000 + engine_port % 20000, 40000 + events_port % 20000
+    engine_port = 20000 + engine_port % 20000
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--replicas", "2", "--port", str(port),
-         "--engine-port", str(engine_port), "--kv-events-port", str(events_port), "--data-dir", str(data),
+         "--engine-port", str(engine_port), "--data-dir", str(data),
          "--health-interval", "60", "--engine-arg=--kv-cache-memory=0.05", "--log-level", "warning"],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         start_new_session=True,

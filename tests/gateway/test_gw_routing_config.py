@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
@@ -58,10 +59,13 @@ def test_upstream_argument_and_local_replicas() -> None:
         "r1", "http://127.0.0.1:8002", "tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")
     with pytest.raises(ValueError, match="unknown or repeated option"):
         parse_upstream_arg("http://x,colour=red", 0)
-    (args0, r0), (args1, r1) = local_replicas(2, 8001, 5557)
-    assert r1.url == "http://127.0.0.1:8002" and r1.kv_events == "tcp://127.0.0.1:5559"
-    assert json.loads(args1[1])["replay_endpoint"] == "tcp://127.0.0.1:5560" and args0[0] == "--kv-events-config"
-    assert local_replicas(1, 8001, 5557) == [([], r0.__class__("http://127.0.0.1:8001", "r0"))]
+    private = Path("/run/private-dir")
+    (args0, r0), (args1, r1) = local_replicas(2, 8001, private)
+    # events name every tenant's tokens: owner-only Unix sockets, never a TCP port
+    assert r1.url == "http://127.0.0.1:8002" and r1.kv_events == "ipc:///run/private-dir/r1-events.sock"
+    assert json.loads(args1[1])["replay_endpoint"] == "ipc:///run/private-dir/r1-replay.sock"
+    assert args0[0] == "--kv-events-config"
+    assert local_replicas(1, 8001, private) == [([], r0.__class__("http://127.0.0.1:8001", "r0"))]
 
 
 def test_gateway_command_rejects_a_bad_upstream_with_exit_2(tmp_path) -> None:
