@@ -52,7 +52,7 @@ def resolve_kind(kind: str | None, upstream_url: str) -> str:
 
 def request_family(body: Mapping[str, Any]) -> bytes:
     """The request family as bytes: model + the masked leading system/developer texts."""
-    from linter.request_families import family_key
+    from linter.api import family_key
 
     return orjson.dumps(family_key(body))
 

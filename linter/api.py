@@ -20,6 +20,7 @@ from linter import divergence
 from linter.conversation import CONVERSATION_HEADER, ConversationKeys, conversation_keys
 from linter.finding import Finding
 from linter.registry import all_rules, default_codes, get_rule
+from linter.request_families import family_key
 from linter.rule import Options, Rule
 from linter.tokenizer import Tokenizer
 
@@ -32,6 +33,7 @@ __all__ = [
     "compare_requests",
     "conversation_keys",
     "explain",
+    "family_key",
     "rule_codes",
 ]
 
