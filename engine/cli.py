@@ -82,8 +82,8 @@ def add_parser(subparsers: Any) -> None:
                         help="disable reuse of cached prompt prefixes")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
                         help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": true, "
-                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
-                        "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)")
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", "
+                        "\"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' (see docs/routing.md)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every route but /health, like "
                         "vLLM's --api-key (default: $PREFIXGATE_ENGINE_API_KEY; prefer it: a command "

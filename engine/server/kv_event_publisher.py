@@ -2,11 +2,13 @@
 
 Configured like vLLM with ``--kv-events-config`` JSON (fields of vLLM's
 ``KVEventsConfig``): ``{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events",
+"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kv-events",
 "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000}``. An endpoint
 with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound, another one connected, as
 in vLLM; ``tcp://127.x.x.x:PORT`` is bound too, so a publisher can listen on
-loopback only (``prefixgate serve`` does).
+loopback only: the default endpoint does (vLLM's binds every interface), and
+``prefixgate serve`` uses owner-only ``ipc://`` sockets, since events name every
+tenant's tokens.
 
 Wire format (the one vLLM >= 0.24 publishes): ZMQ PUB multipart
 ``[topic, seq (u64 big-endian, from 0), msgpack([ts, events, 0])]`` where each
@@ -56,7 +58,7 @@ MEDIUM = "GPU"
 class KVEventsConfig:
     enable_kv_cache_events: bool = False
     publisher: str | None = None
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"  # vLLM's default binds tcp://*; ours stays on loopback
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
