@@ -18,6 +18,8 @@ it as its ``guidance`` backend.
   does the same for a batch, one bitmask fill per constrained row. Only sampling
   changes: prompts, block hashes and prefix-cache hits are the same with or
   without a grammar.
+* Object schemas are :func:`closed` (no undeclared keys unless the schema allows
+  them), as OpenAI's strict structured outputs are.
 * When the grammar is complete, only the EOS token stays allowed, so a
   constrained request ends with ``finish_reason: "stop"`` or hits its length.
 """
@@ -41,6 +43,9 @@ import torch
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
 CACHE_SIZE = 256
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_KEYS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not",
+                "if", "then", "else", "contains", "propertyNames", "unevaluatedProperties")
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def json_schema(self, schema: dict[str, Any]) -> CompiledGrammar:
-        """Output must be JSON valid against ``schema``."""
+        """Output must be JSON valid against ``schema`` (closed: see :func:`closed`)."""
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return self._compile("schema", schema)
+        return self._compile("schema", closed(schema))
 
     def json_object(self) -> CompiledGrammar:
         """Output must be one JSON object (``response_format: {"type": "json_object"}``)."""
@@ -77,7 +82,7 @@ class GrammarCompiler:
         allows more calls, one per line."""
         variants = [{"type": "object", "additionalProperties": False,
                      "required": ["name", "arguments"],
-                     "properties": {"name": {"const": name}, "arguments": params}}
+                     "properties": {"name": {"const": name}, "arguments": closed(params)}}
                     for name, params in tools]
         schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
         return self._compile("tool_calls", {"schema": schema, "open": open_tag, "close": close_tag,
@@ -121,6 +126,27 @@ class GrammarCompiler:
             return llguidance.LLMatcher.grammar_from_lark(lark)
         except (ValueError, TypeError) as exc:
             raise ValueError(str(exc)) from exc
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that declares
+    ``properties`` and says nothing about extra ones: OpenAI's strict mode requires it,
+    pydantic omits it, and a small model otherwise invents keys until its token limit."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_KEYS:
+            out[key] = closed(value)
+        else:  # const, enum, default, examples, ...: values, not schemas
+            out[key] = value
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarConstraint:
