@@ -214,6 +214,9 @@ class RequestHandler:
         grammar = None
         if body.tool_choice.forced or body.response_format is not None:
             grammar = grammar_for(self.compiler(), body.tool_choice, body.tools, body.response_format)
+        if grammar is not None and body.ignore_eos:  # a complete grammar allows only EOS
+            raise errors.invalid_param("'ignore_eos' cannot be combined with a response_format "
+                                       "or a forced tool_choice.", "ignore_eos")
         builder = ResponseBuilder("completion" if kind == "completion" else "chat",
                                   self.engine.model_id, include_usage=body.include_usage,
                                   token_text=self._token_text)
@@ -309,9 +312,11 @@ class RequestHandler:
                     _raise_for_failure(tally)
                 except APIError as exc:
                     self._finish_metrics(tallies, prepared.kind, arrival)
+                    if responses is not None:
+                        yield responses.error(exc.to_dict()["error"])
+                        return
                     yield sse_event(exc.to_dict())
-                    if responses is None:
-                        yield SSE_DONE
+                    yield SSE_DONE
                     return
                 assert tally.finish_reason is not None
                 if responses is None:

@@ -24,8 +24,9 @@ the server already validates, renders and runs:
 ``response.content_part.done``, for a function call
 ``response.function_call_arguments.delta`` and ``.done``, then
 ``response.output_item.done``; finally ``response.completed`` (or
-``response.incomplete`` with ``incomplete_details.reason: "max_output_tokens"``).
-Every event carries a ``sequence_number`` counting from 0.
+``response.incomplete`` with ``incomplete_details.reason: "max_output_tokens"``),
+or an ``error`` event when the engine failed. Every event carries a
+``sequence_number`` counting from 0.
 """
 
 from __future__ import annotations
@@ -226,6 +227,11 @@ class ResponsesBuilder:
         status = _status(finish_reason)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=self._response(status, self._output, usage))]
+
+    def error(self, error: dict[str, Any]) -> bytes:
+        """The ``error`` event that ends a stream the engine failed."""
+        return self._event("error", code=error.get("code"), message=error.get("message"),
+                           param=error.get("param"))
 
     # ---------------------------------------------------------------- private
     def _close_message(self) -> list[bytes]:

@@ -7,6 +7,7 @@ every token, not that the model is clever."""
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -127,3 +128,27 @@ def test_responses_endpoint_on_the_engine(client, tiny_engine):
         client.responses.create(model=tiny_engine.model_id, input="hi", store=True)
     assert info.value.body["param"] == "store"
     wait_until(lambda: all_blocks_free(tiny_engine), 10, "all blocks free after responses")
+
+
+def test_ignore_eos_with_a_grammar_is_a_400(client, tiny_engine):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=tiny_engine.model_id, messages=MSGS, max_tokens=2,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"ignore_eos": True})
+    assert info.value.body["param"] == "ignore_eos"
+
+
+def test_disconnect_mid_stream_with_n_choices_frees_every_choices_blocks(live, tiny_engine):
+    body = {"model": tiny_engine.model_id, "messages": [{"role": "user", "content": "go on"}],
+            "ignore_eos": True, "n": 3, "stream": True}
+    with httpx.stream("POST", live.api_url + "/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        seen: set[int] = set()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if len(seen) == 3:  # every choice runs
+                break
+        assert not all_blocks_free(tiny_engine)
+    wait_until(lambda: all_blocks_free(tiny_engine), 60, "every choice's blocks to be freed")
+    tiny_engine.kv_cache_manager.check_integrity()
