@@ -52,7 +52,7 @@ from engine.server.images import http_fetcher
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
-from engine.server.responses import ResponsesBuilder, to_chat_body
+from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
 from engine.server.structured_output import grammar_for
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
@@ -192,6 +192,14 @@ class RequestHandler:
 
     def _prepare(self, raw: object, kind: str) -> _Prepared:
         """Validate, render, tokenize and compile the grammar (runs in a worker thread)."""
+        try:
+            return self._prepare_kind(raw, kind)
+        except APIError as exc:
+            if kind == "responses":  # name the Responses field, not the chat one
+                exc.param = responses_param(exc.param)
+            raise
+
+    def _prepare_kind(self, raw: object, kind: str) -> _Prepared:
         if kind == "completion":
             body = parse_completion_body(raw, self.vocab_size)
         else:

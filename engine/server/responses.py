@@ -83,6 +83,19 @@ def to_chat_body(body: object) -> dict[str, Any]:
     return chat
 
 
+RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+           ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses API's name for a chat ``param`` named in an error (the chat request
+    came from :func:`to_chat_body`; message indexes do not map one to one, so they go)."""
+    for chat, responses in RENAMED:
+        if param is not None and param.startswith(chat):
+            return "input" if chat == "messages" else responses + param[len(chat):]
+    return param
+
+
 def _input_messages(value: object) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]

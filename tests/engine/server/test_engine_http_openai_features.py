@@ -127,6 +127,13 @@ def test_responses_endpoint_on_the_engine(client, tiny_engine):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=tiny_engine.model_id, input="hi", store=True)
     assert info.value.body["param"] == "store"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=tiny_engine.model_id, input="hi", max_output_tokens=0)
+    assert info.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=tiny_engine.model_id, input="hi", text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "strang"}}})
+    assert info.value.body["param"] == "text.format.schema"
     wait_until(lambda: all_blocks_free(tiny_engine), 10, "all blocks free after responses")
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from engine.server.errors import APIError
 from engine.server.response_builder import Usage
-from engine.server.responses import ResponsesBuilder, to_chat_body
+from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
 
 
 def test_items_become_messages_tools_and_formats():
@@ -72,3 +72,10 @@ def test_length_is_incomplete():
     body = ResponsesBuilder("m", {"input": "x"}).full("abc", [], "length", Usage(1, 3, 0))
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_chat_params_in_errors_get_their_responses_names():
+    assert responses_param("messages[2].role") == "input"
+    assert responses_param("max_completion_tokens") == "max_output_tokens"
+    assert responses_param("response_format.json_schema.schema") == "text.format.schema"
+    assert responses_param("temperature") == "temperature" and responses_param(None) is None
