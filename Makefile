@@ -47,6 +47,8 @@ bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/lint_throughput.py
 	$(PY) benchmarks/gateway_overhead.py
+	$(PY) benchmarks/grammar_backends.py
+	$(PY) benchmarks/structured_outputs.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
