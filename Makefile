@@ -47,6 +47,7 @@ bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/lint_throughput.py
 	$(PY) benchmarks/gateway_overhead.py
+	$(PY) benchmarks/gateway_load.py
 	$(PY) benchmarks/grammar_backends.py
 	$(PY) benchmarks/structured_outputs.py
 

@@ -7,7 +7,16 @@ runs the whole ``prefixgate lint`` pipeline (per-request rules, cross-request
 rules, hit-rate replay with per-rule fixes) and, separately, the per-request API
 the gateway calls. Prints a table and writes JSON to benchmarks/results/.
 
+``--compare TREE`` also lints the same corpus with the linter of another
+checkout (e.g. main, extracted with ``git archive main | tar -x -C /tmp/main``),
+each measurement in a fresh subprocess, alternating the two trees ``--rounds``
+times so both see the same machine load; it reports the best and the median
+wall time of each and their ratio. Half the corpus's conversations carry no
+``metadata.conversation_id`` (``--without-ids`` share), so conversations are
+also found by their messages.
+
     .venv/bin/python benchmarks/lint_throughput.py [--requests 100000]
+    .venv/bin/python benchmarks/lint_throughput.py --compare /tmp/main --rounds 3
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import json
 import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +65,7 @@ def _families(rng: random.Random, count: int) -> list[dict[str, Any]]:
     return families
 
 
-def generate(n: int, seed: int = 7) -> list[dict[str, Any]]:
+def generate(n: int, seed: int = 7, without_ids: float = 0.0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     families = _families(rng, 50)
     bodies: list[dict[str, Any]] = []
@@ -73,7 +84,9 @@ def generate(n: int, seed: int = 7) -> list[dict[str, Any]]:
                 rng.shuffle(tools)
             # A planted sliding window (PS204) in every 7th conversation.
             kept = history[-6:] if conversation % 7 == 0 else history  # prefixgate: noqa: PS305
-            body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system}, *kept], "metadata": {"conversation_id": f"c{conversation}"}}
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system}, *kept]}
+            if (conversation * 7919 % 1000) / 1000 >= without_ids:
+                body["metadata"] = {"conversation_id": f"c{conversation}"}
             if tools:
                 body["tools"] = tools
             bodies.append(body)
@@ -83,14 +96,55 @@ def generate(n: int, seed: int = 7) -> list[dict[str, Any]]:
     return bodies
 
 
+_MEASURE = """
+import gc, json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from linter.config import LintConfig
+from linter.registry import all_rules
+from linter.runner import lint_paths
+from linter.tokenizer import ApproxTokenizer
+import linter
+assert linter.__file__.startswith(sys.argv[1]), linter.__file__
+config = LintConfig(select=set(all_rules())) if sys.argv[3] == "all" else LintConfig()
+t, c = time.perf_counter(), time.process_time()
+report = lint_paths([Path(sys.argv[2])], config, ApproxTokenizer())
+print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c, "findings": len(report.findings)}))
+"""
+
+
+def _measure(tree: Path, corpus: Path, rules: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tree), str(corpus), rules], check=True, capture_output=True, text=True)
+    result: dict[str, float] = json.loads(out.stdout)
+    return result
+
+
+def compare(baseline: Path, corpus: Path, rounds: int) -> list[dict[str, Any]]:
+    """Wall/CPU time of this tree and ``baseline`` on ``corpus``, alternating (see the module docstring)."""
+    runs: dict[str, list[dict[str, float]]] = {"baseline (default rules)": [], "this tree (default rules)": [], "this tree (all rules)": []}
+    for _ in range(rounds):
+        runs["baseline (default rules)"].append(_measure(baseline, corpus, "default"))
+        runs["this tree (default rules)"].append(_measure(ROOT, corpus, "default"))
+        runs["this tree (all rules)"].append(_measure(ROOT, corpus, "all"))
+    rows = []
+    for name, results in runs.items():
+        walls = [r["wall"] for r in results]
+        rows.append({"tree": name, "best_s": round(min(walls), 2), "median_s": round(statistics.median(walls), 2),
+                     "cpu_best_s": round(min(r["cpu"] for r in results), 2), "findings": int(results[0]["findings"])})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--target-s", type=float, default=60.0)
+    parser.add_argument("--without-ids", type=float, default=0.5, help="share of conversations without metadata.conversation_id")
+    parser.add_argument("--compare", type=Path, metavar="TREE", help="another checkout whose linter to time on the same corpus")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    bodies = generate(args.requests)
+    bodies = generate(args.requests, without_ids=args.without_ids)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "requests.jsonl"
         corpus.write_text("".join(json.dumps(b) + "\n" for b in bodies), encoding="utf-8")
@@ -100,6 +154,7 @@ def main() -> int:
         t1, c1 = time.perf_counter(), time.process_time()
         report = lint_paths([corpus], LintConfig(), ApproxTokenizer())
         lint_s, lint_cpu_s = time.perf_counter() - t1, time.process_time() - c1
+        comparison = compare(args.compare.resolve(), corpus, args.rounds) if args.compare else None
 
     sample = bodies[: min(len(bodies), 20_000)]
     t2 = time.perf_counter()
@@ -124,6 +179,15 @@ def main() -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    if comparison is not None:
+        print(f"\nsame corpus, fresh process per run, {args.rounds} alternating rounds (baseline: {args.compare}):")
+        print(f"  {'tree':<28} {'best':>7} {'median':>7} {'CPU best':>9} {'findings':>9} {'wall ratio':>11} {'CPU ratio':>10}")
+        base, base_cpu = comparison[0]["best_s"], comparison[0]["cpu_best_s"]
+        for row in comparison:
+            print(
+                f"  {row['tree']:<28} {row['best_s']:>6.2f}s {row['median_s']:>6.2f}s {row['cpu_best_s']:>8.2f}s {row['findings']:>9} "
+                f"{row['best_s'] / base:>10.2f}x {row['cpu_best_s'] / base_cpu:>9.2f}x"
+            )
     results = {
         "benchmark": "lint_throughput",
         "requests": len(bodies),
@@ -140,6 +204,8 @@ def main() -> int:
         "check_request_us": round(per_request_us, 1),
         "target_seconds": args.target_s,
         "met_target": lint_s < args.target_s,
+        "without_ids": args.without_ids,
+        "comparison": comparison,
         "python": platform.python_version(),
         "machine": platform.machine(),
     }

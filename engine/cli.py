@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
-from engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY_GIB, DTYPES
+from engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_CACHE_MEMORY_GIB,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +36,8 @@ example:
 
 Without --model the bundled SmolLM2-135M-Instruct is served (converted once from its
 GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is used.
+With PREFIXGATE_ENGINE_API_KEY set (or --api-key), clients must send
+'Authorization: Bearer <key>' (the OpenAI SDK's api_key) on every route but /health.
 """
 
 
@@ -59,6 +68,12 @@ def add_parser(subparsers: Any) -> None:
                         "natively, else float32 (default: auto)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                        help=f"requests batched in one forward at most (default: {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="TOKENS",
+                        help="tokens per forward at most: decode tokens plus prefill chunks "
+                        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name clients send (default: the model's name)")
     parser.add_argument("--allow-remote-images", action="store_true",
@@ -69,6 +84,10 @@ def add_parser(subparsers: Any) -> None:
                         help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                         "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health, like "
+                        "vLLM's --api-key (default: $PREFIXGATE_ENGINE_API_KEY; prefer it: a command "
+                        "line is visible to every local user)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"),
                         help="log level (default: info)")
@@ -86,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, dtype=args.dtype, block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         )
         events_config = None
         if args.kv_events_config is not None:
@@ -97,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from engine.core.llm_engine import LLMEngine
+    from engine.server.api_key import API_KEY_ENV
     from engine.server.app import run_server
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None:
+        logger.warning("no --api-key: anyone who can reach %s:%d can use this engine", args.host, args.port)
 
     try:
         engine = LLMEngine.from_config(config)
@@ -117,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         publisher.start()
     engine.start()
     try:
-        run_server(engine, host=args.host, port=args.port,
+        run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    allow_remote_images=args.allow_remote_images, log_level=args.log_level)
     finally:
         engine.shutdown()

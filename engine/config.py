@@ -7,6 +7,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -15,7 +17,9 @@ class EngineConfig:
 
     ``model`` is a local Hugging Face checkpoint directory, a GGUF file, or None
     for the bundled SmolLM2-135M-Instruct. ``dtype="auto"`` means bfloat16 where the
-    CPU computes it natively, float32 otherwise.
+    CPU computes it natively, float32 otherwise. Each engine step runs one forward
+    over at most ``max_num_batched_tokens`` tokens (decode tokens plus prefill
+    chunks) of at most ``max_num_seqs`` running requests.
     """
 
     model: str | None = None
@@ -27,6 +31,8 @@ class EngineConfig:
     served_model_name: str | None = None
     seed: int | None = None
     num_threads: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,5 +47,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")

@@ -3,8 +3,9 @@
 ``create_app`` wires one :class:`Proxy` (auth, canonicalization, warnings, salts,
 upstream, stats) behind the OpenAI routes. The upstream ``httpx.AsyncClient`` is
 injected so tests can swap its transport; when none is given the app creates a
-pooled one and closes it on shutdown. The lifespan's shutdown drains the stats
-writer, so no row is lost on a graceful stop.
+pooled one (``connection_pool.ConnectionPool`` as its transport) and closes it on
+shutdown. The lifespan's shutdown drains the stats writer, so no row is lost on a
+graceful stop.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.authenticator import Authenticator
+from gateway.connection_pool import ConnectionPool
 from gateway.dashboard import dashboard_route
 from gateway.database import create_db_engine
 from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
-from gateway.prefix_warner import PrefixWarner
+from gateway.prefix_warner import History, PrefixWarner
 from gateway.proxy import Proxy
+from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
 from gateway.stats_report import per_tenant
@@ -47,14 +50,16 @@ def default_client(settings: GatewaySettings) -> httpx.AsyncClient:
     # Expire idle connections before uvicorn-based engines do (their keep-alive timeout
     # is 5 s, httpx's default expiry too): reusing a connection the server is closing
     # would fail a request with a read error.
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=4.0)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=4.0)
+    return httpx.AsyncClient(timeout=timeout, transport=ConnectionPool(limits=limits))
 
 
 class GatewayState:
     """The per-app objects; reachable as ``app.state.gateway``."""
 
-    def __init__(self, settings: GatewaySettings, client: httpx.AsyncClient | None) -> None:
+    def __init__(
+        self, settings: GatewaySettings, client: httpx.AsyncClient | None, history: History | None = None
+    ) -> None:
         self.settings = settings
         self.owns_client = client is None
         self.client = client or default_client(settings)
@@ -66,10 +71,12 @@ class GatewayState:
         self.db_engine = create_db_engine(settings.db_url)
         self.writer = StatsWriter(self.db_engine, batch_size=settings.stats_batch_size)
         self.metrics = GatewayMetrics()
+        self.metrics.add_collector(ReplicaCollector(self.replicas))
+        self.warner = PrefixWarner(history=history)
         self.proxy = Proxy(
             replicas=self.replicas,
             authenticator=self.authenticator,
-            warner=PrefixWarner(),
+            warner=self.warner,
             writer=self.writer,
             metrics=self.metrics,
             secret=settings.secret,
@@ -79,13 +86,17 @@ class GatewayState:
     async def aclose(self) -> None:
         await self.replicas.aclose()
         await anyio.to_thread.run_sync(self.writer.close)
+        self.warner.close()
         if self.owns_client:
             await self.client.aclose()
         self.db_engine.dispose()
 
 
-def create_app(settings: GatewaySettings, client: httpx.AsyncClient | None = None) -> Starlette:
-    state = GatewayState(settings, client)
+def create_app(
+    settings: GatewaySettings, client: httpx.AsyncClient | None = None, history: History | None = None
+) -> Starlette:
+    """The app; ``history`` is the shared conversation history when several workers serve it."""
+    state = GatewayState(settings, client, history)
 
     async def chat_completions(request: Request) -> Response:
         return await state.proxy.handle(request, "chat.completions")

@@ -11,7 +11,8 @@ or edited. Steps that changed something are reported by name, in this order:
   has a string name; a stable sort keeps duplicates in their order);
 - ``response_format.keys_sorted``: keys of ``response_format`` sorted recursively;
 - ``tool_calls.arguments_canonical``: assistant ``tool_calls[].function.arguments``
-  that parse as JSON re-serialized compactly with sorted keys (else left as sent);
+  that parse as JSON re-serialized compactly with sorted keys (else left as sent,
+  as is anything orjson cannot re-encode: more than 254 levels of nesting);
 - ``tool_results.reordered``: a run of tool messages right after an assistant turn
   put in that turn's ``tool_calls`` order (only when every id in the run is one
   of that turn's call ids and none repeats);
@@ -34,9 +35,13 @@ Body = dict[str, Any]
 
 
 def _sorted_json(value: Any) -> tuple[Any, bool]:
-    """``value`` with object keys sorted recursively, and whether that changed it."""
-    raw = orjson.dumps(value)
-    canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    """``value`` with object keys sorted recursively, and whether that changed it
+    (left as sent when orjson cannot encode it, e.g. nested past its 254 levels)."""
+    try:
+        raw = orjson.dumps(value)
+        canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return value, False
     if raw == canonical:
         return value, False
     return orjson.loads(canonical), True
@@ -89,10 +94,9 @@ def _canonical_arguments(arguments: Any) -> str | None:
     if not isinstance(arguments, str):
         return None
     try:
-        parsed = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
+        canonical = orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS).decode("utf-8")
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested past 254 levels
         return None
-    canonical = orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode("utf-8")
     return None if canonical == arguments else canonical
 
 

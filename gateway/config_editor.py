@@ -3,13 +3,16 @@
 The edit is textual (comments and layout are kept): the hash is appended to the
 ``keys`` (or ``admin_keys``) array of the right table, or a new table/line is
 added. The result is re-parsed and validated before the file is replaced
-atomically; on any doubt a ``ValueError`` leaves the file untouched.
+atomically, keeping its mode (a new file is 0600: it may hold the server secret);
+on any doubt a ``ValueError`` leaves the file untouched.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
+import stat
 import tomllib
 from pathlib import Path
 
@@ -27,9 +30,29 @@ def add_key_hash(path: Path, tenant: str | None, key_hash: str) -> None:
         parse_config(parsed)
     except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise ValueError(f"{path}: could not add the key automatically ({exc}); add it by hand") from exc
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(new_text, encoding="utf-8")
-    os.replace(temp, path)
+    _replace(path, new_text.encode("utf-8"))
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data``, keeping its mode (a new file: 0600,
+    as a config may hold the server secret). The temporary file is created with
+    that mode, so the content is never readable by others, not even for a moment."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o600
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)  # the umask may have narrowed it
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def _edited(text: str, table: str, field: str, key_hash: str) -> str:

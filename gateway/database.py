@@ -1,13 +1,16 @@
 """The stats database: SQLAlchemy engine setup and Alembic migrations.
 
 SQLite databases run in WAL mode (readers never block the writer) with
-``synchronous=NORMAL``. The schema is owned by Alembic (``gateway/migrations/``,
-package data that the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the
-location).
+``synchronous=NORMAL`` and a 10 s busy timeout, so several gateway worker processes
+can each write their own short batches to one file (SQLite serializes them). A new
+database file is created 0600, and SQLite gives its ``-wal`` and ``-shm`` files the
+same mode. The schema is owned by Alembic (``gateway/migrations/``, package data that
+the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the location).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -24,18 +27,27 @@ def default_db_url(data_dir: Path) -> str:
 
 def _enable_wal(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA busy_timeout=10000")  # first: the next pragma may wait for another process
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
 
 
+def _create_private(path: Path) -> None:
+    """Create the SQLite file 0600 (and its directory 0700) if missing, before SQLite
+    does: SQLite gives ``-wal`` and ``-shm`` the database file's mode, so all three
+    stay owner-only. An existing file keeps its mode."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def create_db_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite files get WAL mode and their directory created."""
+    """An engine for ``url``; SQLite files get WAL mode and are created owner-only."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            _create_private(Path(parsed.database))
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _enable_wal)
         return engine

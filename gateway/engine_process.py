@@ -1,7 +1,13 @@
 """The bundled engine as a child process of ``prefixgate serve``.
 
-Invariants: :meth:`EngineProcess.wait_healthy` returns only once ``GET /health``
-answered 200, and raises as soon as the child exits or the deadline passes
+Invariants: the engine is never open. Each :class:`EngineProcess` draws a random
+per-run API key (256 bits) and hands it to the child in its environment
+(``PREFIXGATE_ENGINE_API_KEY``, never on the command line, which every local user
+can read in ``/proc``); the engine then refuses every route but ``/health``
+without it, and the gateway sends it as its upstream key. The key lives only in
+the two processes' memory: a new one each run, nothing written to disk.
+:meth:`EngineProcess.wait_healthy` returns only once ``GET /health`` answered 200
+and the key was accepted on ``GET /v1/models``, and raises as soon as the child exits or the deadline passes
 (never waits forever); :meth:`stop` always leaves no child behind (SIGTERM, then
 SIGKILL after a grace period); :meth:`watch` reports a child that dies while the
 gateway runs, so ``serve`` does not keep answering 503s in front of nothing.
@@ -10,6 +16,8 @@ gateway runs, so ``serve`` does not keep answering 503s in front of nothing.
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,16 +27,23 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from engine.server.api_key import API_KEY_ENV
+
 
 class EngineStartError(RuntimeError):
     pass
 
 
 class EngineProcess:
-    def __init__(self, port: int, extra_args: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, extra_args: Sequence[str] = (), host: str = "127.0.0.1",
+                 api_key: str | None = None) -> None:
+        """``api_key``: the key to hand the engine (replicas of one run share one); None draws one."""
+        if any(arg.split("=", 1)[0] == "--api-key" for arg in extra_args):
+            raise ValueError("the engine's API key is drawn per run by 'serve': drop --api-key from --engine-arg")
         self.host = host
         self.port = port
         self.command = [sys.executable, "-m", "gateway.cli", "engine", "--host", host, "--port", str(port), *extra_args]
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
         self.stopping = False
 
@@ -38,7 +53,7 @@ class EngineProcess:
 
     def start(self) -> None:
         # The child shares our stdout/stderr so its loading progress is visible.
-        self.process = subprocess.Popen(self.command)
+        self.process = subprocess.Popen(self.command, env={**os.environ, API_KEY_ENV: self.api_key})
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.25) -> None:
         assert self.process is not None, "start() first"
@@ -50,6 +65,7 @@ class EngineProcess:
                     raise EngineStartError(f"the engine exited with status {code} before it was healthy")
                 try:
                     if client.get(self.url + "/health").status_code == 200:
+                        self._check_key(client)
                         return
                 except httpx.HTTPError:
                     pass
@@ -58,6 +74,11 @@ class EngineProcess:
                 # Waiting on the child doubles as the poll interval and returns early if it exits.
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(poll_s)
+
+    def _check_key(self, client: httpx.Client) -> None:
+        status = client.get(self.url + "/v1/models", headers={"authorization": f"Bearer {self.api_key}"}).status_code
+        if status != 200:
+            raise EngineStartError(f"the engine at {self.url} answered {status} to this run's API key")
 
     def watch(self, on_exit: Callable[[int], None]) -> None:
         """Call ``on_exit(status)`` from a daemon thread if the child exits before :meth:`stop`."""

@@ -68,16 +68,25 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
     )
 
 
-def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
-    """Upgrade the database and serve until SIGINT/SIGTERM (blocking)."""
+def configure_logging(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO; the access log already covers them.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def run_gateway(
+    settings: GatewaySettings, host: str, port: int, log_level: str = "info", workers: int = 1
+) -> int:
+    """Upgrade the database and serve until SIGINT/SIGTERM (blocking); the exit status.
+
+    ``workers`` > 1 runs that many processes on one socket (``supervisor.py``).
+    """
     import uvicorn
 
     from gateway import database
     from gateway.app import create_app
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # httpx logs every upstream request at INFO; the access log already covers them.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(log_level)
     database.upgrade(settings.db_url)
     if settings.open_mode:
         log.warning(
@@ -87,8 +96,13 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str 
     else:
         log.info("%d tenant(s) configured", len(settings.config.tenants))
     log.info("upstream %s, stats in %s", settings.upstream, settings.db_url)
+    if workers > 1:
+        from gateway.supervisor import serve_workers
+
+        return serve_workers(settings, host, port, log_level, workers)
     app = create_app(settings)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
+    return 0
 
 
 def fail(message: str) -> int:

@@ -1,13 +1,24 @@
 """Prometheus metrics of one gateway app (its own registry, so several apps can
-live in one process)."""
+live in one process).
+
+With several worker processes (``--workers``), the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before it starts them: prometheus_client then keeps
+every value in a memory-mapped file per process, and ``render`` (whichever worker
+answers the scrape) sums the files of all workers, including those that exited.
+Collectors of live state (``add_collector``, e.g. the replicas' health) are read
+from the worker that answers.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 
 from gateway.request_record import RequestRecord
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -15,6 +26,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._live: list[Any] = []
         self._request_children: dict[tuple[str, int], Any] = {}
         self.requests = Counter(
             "prefixgate_requests", "Proxied requests by endpoint and status.",
@@ -66,5 +78,17 @@ class GatewayMetrics:
         if record.ttft_ms is not None:
             self.ttft.observe(record.ttft_ms / 1000.0)
 
+    def add_collector(self, collector: Any) -> None:
+        """A collector read at scrape time (live state of this process, e.g. replicas)."""
+        self.registry.register(collector)
+        self._live.append(collector)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every worker's counters, plus this worker's live view
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        for collector in self._live:
+            registry.register(collector)
+        return generate_latest(registry)

@@ -14,16 +14,33 @@ larger than ``max_body_bytes`` are not remembered.
 
 The linter is advisory: if a rule raises on odd input, the request goes on
 without that rule's warnings (logged), it is never failed because of it.
+
+Execution and bounds (:meth:`PrefixWarner.check_within_budget`, what the proxy
+calls): the check runs on a small thread pool, never on the event loop, while
+the upstream works. Bodies over ``inline_max_bytes`` are checked in a helper
+process instead (the linter's work grows faster than the body; in a thread it
+would hold the GIL, and so every other request, for seconds), which is killed
+when the budget runs out. A request waits at most ``budget_s`` for its warnings;
+past it, it gets one ``GW001`` warning saying the check was cut short. At most
+``max_warnings`` warnings of at most ``max_warning_bytes`` in all are returned;
+the rest are summarised in one warning per code ("N more ...").
+
+With several worker processes, ``history`` is the supervisor's shared
+:class:`~gateway.shared_history.HistoryClient`, so turns of one conversation are
+compared whichever worker they reach.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from gateway.lint_process import LintProcess
 from linter.api import (
     CONVERSATION_HEADER,
     ConversationKeys,
@@ -34,7 +51,15 @@ from linter.api import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONVERSATION_HEADER", "PrefixWarner", "PrefixWarning"]
+__all__ = ["BUDGET_CODE", "CONVERSATION_HEADER", "History", "PrefixWarner", "PrefixWarning"]
+
+BUDGET_CODE = "GW001"
+
+
+class History(Protocol):
+    def remember(
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
+    ) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -61,14 +86,114 @@ def _convert(findings: list[Any]) -> list[PrefixWarning]:
     ]
 
 
+def lint(
+    original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
+    edits: bool = True,
+) -> list[PrefixWarning]:
+    """The linter's findings: per-request rules on ``original``, then the comparison of
+    ``canonical`` with the conversation's ``previous`` turn (history edits reported only
+    when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
+    warnings: list[PrefixWarning] = []
+    try:
+        warnings.extend(_convert(check_request(original)))
+    except Exception:
+        log.exception("linter check_request failed; continuing without its warnings")
+    if previous is not None:
+        try:
+            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True, edits=edits)))
+        except Exception:
+            log.exception("linter compare_requests failed; continuing without its warnings")
+    return warnings
+
+
+def bound_warnings(
+    warnings: list[PrefixWarning], max_warnings: int, max_bytes: int
+) -> list[PrefixWarning]:
+    """The first warnings that fit both bounds, then one summary per code for the rest."""
+    kept: list[PrefixWarning] = []
+    size = 0
+    for index, warning in enumerate(warnings):
+        cost = len(warning.message) + len(warning.location) + 64
+        if len(kept) >= max_warnings or size + cost > max_bytes:
+            rest = Counter(w.code for w in warnings[index:])
+            severity = {w.code: w.severity for w in warnings[index:]}
+            kept.extend(
+                PrefixWarning(code, severity[code], f"{count} more {code} findings not listed "
+                              f"(at most {max_warnings} warnings per request)", "")
+                for code, count in sorted(rest.items())
+            )
+            return kept
+        kept.append(warning)
+        size += cost
+    return kept
+
+
 class PrefixWarner:
     def __init__(
-        self, *, max_tenants: int = 1024, max_conversations: int = 64, max_body_bytes: int = 512 * 1024
+        self,
+        *,
+        max_tenants: int = 1024,
+        max_conversations: int = 64,
+        max_body_bytes: int = 512 * 1024,
+        max_warnings: int = 32,
+        max_warning_bytes: int = 16 * 1024,
+        budget_s: float = 1.0,
+        inline_max_bytes: int = 64 * 1024,
+        history: History | None = None,
     ) -> None:
         self.max_tenants = max_tenants
         self.max_conversations = max_conversations
         self.max_body_bytes = max_body_bytes
+        self.max_warnings = max_warnings
+        self.max_warning_bytes = max_warning_bytes
+        self.budget_s = budget_s
+        self.inline_max_bytes = inline_max_bytes
+        self.history: History = history or self
         self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lint_process: LintProcess | None = None
+
+    async def check_within_budget(
+        self,
+        tenant: str,
+        original: Mapping[str, Any],
+        canonical: Mapping[str, Any],
+        *,
+        body_size: int,
+        conversation_header: str | None = None,
+        raw: bytes | None = None,
+    ) -> list[PrefixWarning]:
+        """:meth:`check`, run off the event loop; at most ``budget_s`` of waiting."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefixgate-lint")
+        future = asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self.check(
+                tenant, original, canonical, body_size=body_size, conversation_header=conversation_header,
+                raw=raw,
+            )
+        )
+        try:
+            done, _ = await asyncio.wait({future}, timeout=self.budget_s)
+        finally:
+            # A check still queued when its request stops waiting (budget spent, client
+            # gone) is dropped: under overload, stale checks must not eat the CPU that
+            # the next requests need. One already running finishes on its thread.
+            future.cancel()
+        return future.result() if done else [self._over_budget()]
+
+    def close(self) -> None:
+        """Stop the threads and the helper process (after the running checks)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._lint_process is not None:
+            self._lint_process.stop()
+
+    def _over_budget(self) -> PrefixWarning:
+        return PrefixWarning(
+            BUDGET_CODE, "info",
+            f"the prefix check of this request did not finish within {self.budget_s:g} s; "
+            "its warnings are incomplete", "",
+        )
 
     def check(
         self,
@@ -78,33 +203,40 @@ class PrefixWarner:
         *,
         body_size: int,
         conversation_header: str | None = None,
+        raw: bytes | None = None,
     ) -> list[PrefixWarning]:
         """Findings for one request; remembers ``canonical`` as the conversation's latest turn.
+
+        ``raw``, the client's bytes of ``original`` (``cache_salt`` aside), saves
+        re-encoding a large body for the helper process.
 
         Per-request rules see the body as the client sent it (so input the gateway
         had to canonicalize is reported); the cross-turn comparison sees canonical
         bodies (what the upstream cache sees).
         """
-        warnings: list[PrefixWarning] = []
-        try:
-            warnings.extend(_convert(check_request(original)))
-        except Exception:
-            log.exception("linter check_request failed; continuing without its warnings")
         keys = conversation_keys(canonical, conversation_header)
-        if keys is None:
-            return warnings
-        previous = self._remember(tenant, keys, canonical, body_size)
+        previous = self.history.remember(tenant, keys, canonical, body_size) if keys is not None else None
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
-        if previous is not None and previous != canonical:
-            try:
-                warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True)))
-            except Exception:
-                log.exception("linter compare_requests failed; continuing without its warnings")
-        return warnings
+        if previous is not None and previous == canonical:
+            previous = None
+        # A prompt_cache_key may name many conversations: only truncations and static changes count.
+        edits = keys is None or not keys.shared
+        if body_size > self.inline_max_bytes:
+            if self._lint_process is None:
+                self._lint_process = LintProcess(self.max_warnings, self.max_warning_bytes)
+            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits)
+            if found is None:
+                return [self._over_budget()]
+            return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
+                                  self.max_warning_bytes)
+        return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
+                              self.max_warning_bytes)
 
-    def _remember(
+    def remember(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
+        """Store ``body`` as the conversation's latest turn (bounded LRU); the previous one
+        (the first of ``keys.lookup`` found, taken out of the history)."""
         conversations = self._history.get(tenant)
         if conversations is None:
             conversations = self._history[tenant] = OrderedDict()

@@ -4,7 +4,8 @@ Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
 take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
 server-side salt -> start the upstream call -> prefix warnings (chat; computed
 while the upstream works, or before anything is sent for ``reject_on`` tenants)
--> await the upstream unless the client leaves -> relay, adding warnings ->
+(on the warner's threads, within its budget) -> await the upstream unless the
+client leaves -> relay, adding warnings ->
 exactly one stats row, whatever happened. Every failure is a
 :class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
 become a 500 and are logged.
@@ -100,38 +101,45 @@ class Proxy:
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
 
-        def check() -> list[PrefixWarning]:
+        async def check() -> list[PrefixWarning]:
             if record.endpoint == "completions" or not tenant.warnings:
                 return []
             sent, canonical = original, body
+            sent_raw: bytes | None = raw
             if record.endpoint == "responses":  # warned about as the chat request it stands for
-                sent, canonical = chat_view(original) or {}, chat_view(body) or {}
+                sent, canonical, sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
                 if not canonical.get("messages"):
                     return []
-            return self.warner.check(
+            return await self.warner.check_within_budget(
                 tenant.name, sent, canonical, body_size=len(raw),
-                conversation_header=request.headers.get(CONVERSATION_HEADER),
+                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=sent_raw,
             )
 
         warnings: list[PrefixWarning] | None = None
         if tenant.reject_on:  # the verdict is needed before anything goes upstream
-            warnings = check()
+            warnings = await check()
             self._enforce(tenant, record, warnings)
         route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
         stack = contextlib.AsyncExitStack()
         path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
-        sent = asyncio.Event()
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_sent(*_: Any) -> None:
+            if not sent.done():
+                sent.set_result(None)
+
         work = asyncio.ensure_future(
-            stack.enter_async_context(route.stream(path, content, sent.set))
+            stack.enter_async_context(route.stream(path, content, on_sent))
             if record.stream
-            else route.post(path, content, sent.set)
+            else route.post(path, content, on_sent)
         )
+        work.add_done_callback(on_sent)
         try:
             if warnings is None:
                 # Advisory warnings are computed while the upstream works on the request:
                 # wait until it is on the wire (or the call ended), then run the linter.
-                await _first_of(sent, work)
-                warnings = check()
+                await sent
+                warnings = await check()
             record.warning_codes = [warning.code for warning in warnings]
             result = await _unless_disconnected(request, work)
         except BaseException:
@@ -193,17 +201,6 @@ class Proxy:
         record.finish(200)
         self._record(record)
         return Response(content, status_code=200, media_type="application/json", headers=headers)
-
-
-async def _first_of(event: asyncio.Event, task: asyncio.Future[Any]) -> None:
-    """Return once ``event`` is set or ``task`` is done, whichever comes first."""
-    if event.is_set() or task.done():
-        return
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:

@@ -49,9 +49,11 @@ class RelayStream:
                 events = self.relay.feed(chunk)
                 if events:  # the events of one upstream read go out in one write
                     yield b"".join(events)
+                self.relay.raise_failure()  # a malformed upstream event ends the stream
             tail = self.relay.finish()
             if tail:
                 yield b"".join(tail)
+            self.relay.raise_failure()
             if not self.relay.saw_done:
                 raise UpstreamError("upstream stream ended before 'data: [DONE]'")
             self._status, self._code = 200, None

@@ -24,7 +24,8 @@ from typing import Any
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ZMQ_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
-DEFAULT_LOAD_COST_TOKENS = 256
+DEFAULT_LOAD_COST_TOKENS = 32
+DEFAULT_MISS_WEIGHT = 2.0
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 
 
@@ -45,6 +46,7 @@ class RoutingOptions:
     tokenizer: Path | None = None
     block_size: int = 16
     load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS
+    miss_weight: float = DEFAULT_MISS_WEIGHT
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
 
 
@@ -121,7 +123,7 @@ def parse_routing_table(value: Any) -> RoutingOptions:
     """The ``[routing]`` table of the config file."""
     if not isinstance(value, Mapping):
         raise ValueError(f"routing: expected a table, got {value!r}")
-    unknown = set(value) - {"tokenizer", "block_size", "load_cost_tokens", "health_interval_s"}
+    unknown = set(value) - {"tokenizer", "block_size", "load_cost_tokens", "miss_weight", "health_interval_s"}
     if unknown:
         raise ValueError(f"routing: unknown field(s) {sorted(unknown)!r}")
     tokenizer = value.get("tokenizer")
@@ -131,8 +133,33 @@ def parse_routing_table(value: Any) -> RoutingOptions:
         tokenizer=Path(tokenizer) if tokenizer else None,
         block_size=_positive(value, "block_size", 16, int),
         load_cost_tokens=_positive(value, "load_cost_tokens", DEFAULT_LOAD_COST_TOKENS, int),
+        miss_weight=_positive(value, "miss_weight", DEFAULT_MISS_WEIGHT, float),
         health_interval_s=_positive(value, "health_interval_s", DEFAULT_HEALTH_INTERVAL_S, float),
     )
+
+
+def local_replicas(count: int, engine_port: int, events_port: int) -> list[tuple[list[str], ReplicaSpec]]:
+    """``prefixgate serve --replicas N``: per replica, its extra engine arguments and its spec.
+
+    Replica ``i`` listens on ``engine_port + i`` and publishes KV events on
+    ``tcp://127.0.0.1:events_port + 2i`` (replay on the next port), loopback only.
+    """
+    import json
+
+    if count < 1:
+        raise ValueError(f"--replicas must be at least 1, got {count}")
+    out: list[tuple[list[str], ReplicaSpec]] = []
+    for i in range(count):
+        url = f"http://127.0.0.1:{engine_port + i}"
+        if count == 1:
+            out.append(([], make_spec(url, None, i)))
+            continue
+        events = f"tcp://127.0.0.1:{events_port + 2 * i}"
+        replay = f"tcp://127.0.0.1:{events_port + 2 * i + 1}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                  "replay_endpoint": replay, "topic": "kv-events"}
+        out.append((["--kv-events-config", json.dumps(config)], make_spec(url, None, i, events, replay, "kv-events")))
+    return out
 
 
 def add_routing_options(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +169,9 @@ def add_routing_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="the replicas' KV block size (default 16)")
     parser.add_argument("--load-cost-tokens", type=int, default=None,
                         help=f"routing cost of one in-flight request, in prompt tokens (default {DEFAULT_LOAD_COST_TOKENS})")
+    parser.add_argument("--miss-weight", type=float, default=None,
+                        help=f"weight of the tokens a request must prefill against queued work "
+                        f"(default {DEFAULT_MISS_WEIGHT:g}; see docs/routing.md)")
     parser.add_argument("--health-interval", type=float, default=None, metavar="S",
                         help=f"seconds between replica health checks (default {DEFAULT_HEALTH_INTERVAL_S:g})")
 
@@ -151,6 +181,7 @@ def routing_from_args(args: argparse.Namespace, base: RoutingOptions) -> Routing
     numbers: dict[str, Any] = {
         "block_size": getattr(args, "block_size", None) or base.block_size,
         "load_cost_tokens": getattr(args, "load_cost_tokens", None) or base.load_cost_tokens,
+        "miss_weight": getattr(args, "miss_weight", None) or base.miss_weight,
         "health_interval_s": getattr(args, "health_interval", None) or base.health_interval_s,
     }
     for key, value in numbers.items():

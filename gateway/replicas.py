@@ -1,15 +1,18 @@
 """ReplicaSet: the engine replicas behind the gateway, their health, and one request's route.
 
 * Health: a background task GETs every replica's ``/health`` each
-  ``health_interval_s``. A replica that fails leaves the pool (the router skips it
-  while any replica is healthy) and its index is dropped; it rejoins as soon as a
-  check succeeds. A connection refused during a request takes it out at once.
+  ``health_interval_s`` (timeout: ``HEALTH_TIMEOUT_S`` or the interval, the
+  larger). A replica leaves the pool (the router skips it while any replica is
+  healthy, and its index is dropped) when no connection can be made to it, at
+  once, or after ``FAILURES_TO_LEAVE`` checks in a row that failed otherwise (a
+  busy engine answering slowly keeps its place and its blocks); it rejoins as soon
+  as a check succeeds. A connection refused during a request takes it out at once.
 * Retry: a request whose connection to a replica fails before any byte of it was
   sent (connect refused or timed out: :class:`UpstreamUnreachable`) is sent to
   the next best replica; each replica is tried at most once. Nothing is retried once the request was written: the engine may
   have started on it.
 * Accounting: :meth:`ReplicaSet.route` counts the request in flight on its replica
-  and marks its keys pending there; :meth:`ReplicaSet.finish` (called once, when
+  (with the tokens it was predicted to prefill) and marks its keys pending there; :meth:`ReplicaSet.finish` (called once, when
   the stats row is recorded) undoes both and counts predicted vs reported cached
   tokens per replica.
 """
@@ -37,6 +40,9 @@ from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
+HEALTH_TIMEOUT_S = 5.0
+FAILURES_TO_LEAVE = 3
+
 
 class Replica:
     """One engine replica: its upstream, index, health and counters."""
@@ -48,7 +54,9 @@ class Replica:
         self.upstream = Upstream(spec.url, client, kind=kind, api_key=api_key)
         self.index = ReplicaIndex(has_events=spec.kv_events is not None)
         self.healthy = True
+        self.failed_checks = 0
         self.in_flight = 0
+        self.queued_prefill = 0
         self.last_chosen = 0
         self.requests = 0
         self.retried_away = 0
@@ -78,6 +86,7 @@ class Route:
         self.record = record
         self.keys = keys
         self.replica: Replica | None = None
+        self.prefill_tokens = 0
         self.tried: list[Replica] = []
         self.finished = False
 
@@ -91,6 +100,8 @@ class Route:
         self.replica = replica
         self.tried.append(replica)
         replica.in_flight += 1
+        self.prefill_tokens = choice.prefill_tokens
+        replica.queued_prefill += self.prefill_tokens
         replica.requests += 1
         if self.keys is not None:
             replica.index.routed(self.keys.keys)
@@ -104,6 +115,7 @@ class Route:
         if replica is None:
             return
         replica.in_flight -= 1
+        replica.queued_prefill -= self.prefill_tokens
         if self.keys is not None:
             replica.index.finished(self.keys.keys)
         self.replica = None
@@ -201,7 +213,7 @@ class ReplicaSet:
         self.options = options or RoutingOptions()
         self.kind = kind
         self.replicas = [Replica(spec, client, kind, api_key) for spec in specs]
-        self.router = Router(self.options.load_cost_tokens)
+        self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
         self._health_task: asyncio.Task[None] | None = None
 
@@ -256,12 +268,20 @@ class ReplicaSet:
 
     async def check_health(self) -> None:
         """One round of health checks (all replicas concurrently)."""
+        timeout = max(HEALTH_TIMEOUT_S, self.options.health_interval_s)
+
         async def check(replica: Replica) -> None:
             try:
-                await replica.upstream.check_health(timeout=self.options.health_interval_s)
-            except GatewayError:
+                await replica.upstream.check_health(timeout=timeout)
+            except UpstreamUnreachable:
+                replica.failed_checks = FAILURES_TO_LEAVE
                 replica.set_healthy(False)
+            except GatewayError:
+                replica.failed_checks += 1
+                if replica.failed_checks >= FAILURES_TO_LEAVE:
+                    replica.set_healthy(False)
             else:
+                replica.failed_checks = 0
                 replica.set_healthy(True)
 
         await asyncio.gather(*(check(r) for r in self.replicas))

@@ -1,9 +1,15 @@
 """Reading and validating client request bodies (bounded, OpenAI-shaped 4xx errors).
 
-Only what the gateway itself relies on is validated here (the JSON object, the
-``model``/``stream``/``messages``/``prompt`` shapes, ``cache_salt``, and the types of
-the fields it canonicalizes); every other field is passed through for the
-upstream to judge.
+Only what the gateway itself relies on is validated here (the JSON object, its
+nesting depth, the ``model``/``stream``/``messages``/``prompt`` shapes,
+``cache_salt``, and the types of the fields it canonicalizes); every other field
+is passed through for the upstream to judge.
+
+Depth: a body nested more than :data:`engine.server.protocol.MAX_JSON_DEPTH` (128)
+levels is a 400 ``json_too_deep`` naming the field, the same rule the engine
+applies. It keeps every later step total: orjson refuses to encode more than 254
+levels (re-encoding the body, canonicalizing tools), Python's ``json`` and Jinja
+recurse.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Any
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
+from engine.server.protocol import MAX_JSON_DEPTH, too_deep_field
 from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
 from gateway.salt import MAX_CLIENT_SALT_CHARS
 
@@ -56,6 +63,11 @@ def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    deep = too_deep_field(body)
+    if deep is not None:
+        raise InvalidRequest(
+            f"'{deep}' is nested more than {MAX_JSON_DEPTH} levels deep", param=deep, code="json_too_deep"
+        )
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
     _expect(body, "stream", bool, "a boolean")

@@ -42,7 +42,7 @@ def load_or_create_secret(data_dir: Path, configured: str | None = None) -> byte
     if from_env:
         return from_env.encode("utf-8")
     path = data_dir / "secret"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
         temp = data_dir / f".secret.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -15,6 +15,14 @@ Usage and the time of the first event are copied into the request record (for
 a Responses stream, from the ``response`` of its final ``response.completed`` or
 ``response.incomplete`` event, which also ends it as ``data: [DONE]`` ends the
 others; its prefix warnings travel in the header only).
+
+A stream the gateway cannot vouch for is ended, not relayed: a ``data:`` payload
+that is not a JSON object (nor ``[DONE]``), an ``{"error": ...}`` event from the
+upstream, or an event growing past :data:`MAX_EVENT_BYTES` without its blank
+line. :meth:`SseRelay.feed` then returns the events before it, forwards nothing
+after it, and keeps the failure (an :class:`~gateway.errors.UpstreamError`) for
+:meth:`SseRelay.raise_failure`, which the stream calls after sending each batch:
+the client gets one OpenAI-shaped error event and the row says 502.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import UpstreamError
 from gateway.request_record import RequestRecord
 
 DONE = b"[DONE]"
 RESPONSES_END = ("response.completed", "response.incomplete", "response.failed")
+MAX_EVENT_BYTES = 8 * 1024 * 1024
 _HAS_FINISH = re.compile(rb'"finish_reason"\s*:(?!\s*null)')
 
 
@@ -39,24 +49,33 @@ class SseRelay:
         self.strip_usage = strip_usage
         self.warnings = warnings or None
         self.saw_done = False
+        self.failure: UpstreamError | None = None
         self._buffer = b""
 
     def feed(self, data: bytes) -> list[bytes]:
         """Bytes to send to the client for an upstream chunk (possibly none)."""
         self._buffer += data.replace(b"\r\n", b"\n") if b"\r" in data else data
         out: list[bytes] = []
-        while True:
+        while self.failure is None:
             end = self._buffer.find(b"\n\n")
             if end < 0:
-                return out
+                if len(self._buffer) > MAX_EVENT_BYTES:
+                    self.failure = UpstreamError(f"upstream sent an SSE event over {MAX_EVENT_BYTES} bytes")
+                break
             event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
             out.extend(self._event(event))
+        return out
 
     def finish(self) -> list[bytes]:
         """Bytes for the end of the upstream stream (a trailing partial event)."""
-        out = self._event(self._buffer + b"\n\n") if self._buffer.strip() else []
+        out = self._event(self._buffer + b"\n\n") if self._buffer.strip() and self.failure is None else []
         self._buffer = b""
         return out
+
+    def raise_failure(self) -> None:
+        """Raise the failure that ended the relay, if any (after its earlier events were sent)."""
+        if self.failure is not None:
+            raise self.failure
 
     def _event(self, event: bytes) -> list[bytes]:
         self.record.mark_first_byte()
@@ -66,20 +85,27 @@ class SseRelay:
         if data.strip() == DONE:
             self.saw_done = True
             return [*self._pending_warnings(), event]
-        if not self._may_matter(data):
-            return [event]
         try:
             chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return [event]
+        except orjson.JSONDecodeError as exc:
+            self.failure = UpstreamError(f"upstream sent an SSE event that is not JSON: {exc}")
+            return []
         if not isinstance(chunk, dict):
+            self.failure = UpstreamError("upstream sent an SSE event that is not a JSON object")
+            return []
+        if "error" in chunk:
+            error = chunk["error"]
+            detail = error.get("message") if isinstance(error, dict) else error
+            self.failure = UpstreamError(f"upstream failed mid-stream: {detail}")
+            return []
+        if not self._may_matter(data):
             return [event]
         return self._chunk(chunk, event)
 
     def _may_matter(self, data: bytes) -> bool:
-        """False when the chunk surely needs no parsing: no usage, and no finish
+        """False when the chunk surely needs no rewrite: no usage, and no finish
         reason while warnings still wait for the final chunk (a cheap byte test
-        that keeps plain content chunks off the JSON parser)."""
+        that keeps plain content chunks forwarded byte for byte)."""
         if b'"usage"' in data:
             return True
         return bool(self.warnings) and _HAS_FINISH.search(data) is not None

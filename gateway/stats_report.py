@@ -74,6 +74,8 @@ def read_rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
         request_log.c.completion_tokens,
         request_log.c.ttft_ms,
         request_log.c.warning_codes,
+        request_log.c.replica,
+        request_log.c.predicted_cached_tokens,
     )
     if since is not None:
         query = query.where(request_log.c.time >= since)
@@ -97,6 +99,48 @@ def per_tenant_model_hour(
         key = (row.tenant or NO_TENANT, row.model or "-", hour)
         result.setdefault(key, HitRate()).add(row)
     return dict(sorted(result.items()))
+
+
+@dataclass
+class ReplicaHits(HitRate):
+    """A replica's hit rate plus the gateway's predictions, over rows that have both numbers."""
+
+    compared: int = 0
+    exact: int = 0
+    predicted_tokens: int = 0
+    reported_tokens: int = 0
+
+    def add(self, row: Any) -> None:
+        super().add(row)
+        if row.predicted_cached_tokens is not None and row.cached_tokens is not None:
+            self.compared += 1
+            self.exact += row.predicted_cached_tokens == row.cached_tokens
+            self.predicted_tokens += row.predicted_cached_tokens
+            self.reported_tokens += row.cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "predicted_requests": self.compared, "exact_predictions": self.exact,
+                "predicted_cached_tokens": self.predicted_tokens, "reported_cached_tokens": self.reported_tokens}
+
+
+def per_replica(engine: Engine, since: datetime | None = None) -> dict[str, ReplicaHits]:
+    """Hit rates and prediction accuracy per replica (``-`` for rows without one)."""
+    result: dict[str, ReplicaHits] = {}
+    for row in read_rows(engine, since):
+        result.setdefault(row.replica or "-", ReplicaHits()).add(row)
+    return dict(sorted(result.items()))
+
+
+def format_replica_table(groups: dict[str, ReplicaHits]) -> str:
+    header = ("replica", "requests", "errors", "prompt", "cached", "hit rate", "predicted", "exact")
+    lines = [list(header)]
+    for name, stats in groups.items():
+        rate = "unknown" if stats.hit_rate is None else f"{stats.hit_rate:.1%}"
+        exact = f"{stats.exact}/{stats.compared}" if stats.compared else "-"
+        lines.append([name, str(stats.requests), str(stats.errors), str(stats.prompt_tokens),
+                      str(stats.cached_tokens), rate, str(stats.predicted_tokens), exact])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def format_table(groups: dict[tuple[str, str, str], HitRate]) -> str:

@@ -1,21 +1,31 @@
 """The batched background writer of ``request_log`` rows.
 
-The event loop only calls :meth:`StatsWriter.submit` (a non-blocking queue put).
-A dedicated thread drains the queue and inserts rows in batches of up to
-``batch_size`` in one transaction; after the first row of a batch it waits up to
-``max_delay_s`` for more, so a busy gateway writes many rows per transaction
-instead of holding the GIL for one insert per request. :meth:`close` (called from the app's lifespan
-on graceful shutdown) drains every queued row before it returns, so no row is
-lost. A failed insert is retried once per batch and then logged with the number
-of rows dropped (counted in :attr:`dropped`).
+The event loop only calls :meth:`StatsWriter.submit`, which appends the finished
+record to a deque: no lock taken on the loop's side, no thread woken, no row
+built. A dedicated thread wakes every ``flush_interval_s`` (default 0.1 s), takes
+everything queued, turns the records into rows and inserts them in transactions
+of at most ``batch_size`` rows. (The previous design woke the thread for every
+row; under load each wake-up fought the event loop for the GIL: ~11% of the
+gateway's samples at 128 concurrent clients.)
+
+Durability: a record is in the database at most ``flush_interval_s`` plus one
+insert after it was submitted, so a SIGKILL loses at most the rows of requests
+answered during the last interval (plus the batch being inserted, which SQLite
+rolls back whole). SIGINT/SIGTERM lose none: :meth:`close`, called from the app's
+lifespan, drains every queued row before it returns. A failed insert is retried
+once and then logged with the number of rows dropped (counted in
+:attr:`dropped`).
+
+Several gateway worker processes each run their own writer against the same
+SQLite file; WAL mode and the busy timeout set in ``database.py`` serialize their
+short write transactions.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
-import time
 from typing import Any
 
 from sqlalchemy import Engine, insert
@@ -25,34 +35,41 @@ from gateway.stats_table import request_log
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+FLUSH_INTERVAL_S = 0.1
 
 
 class _Flush:
+    """A marker: set once every record queued before it is written."""
+
     def __init__(self) -> None:
         self.done = threading.Event()
 
 
 class StatsWriter:
-    def __init__(self, engine: Engine, *, batch_size: int = 256, max_delay_s: float = 0.25) -> None:
+    def __init__(
+        self, engine: Engine, *, batch_size: int = 512, flush_interval_s: float = FLUSH_INTERVAL_S
+    ) -> None:
         self.engine = engine
         self.batch_size = batch_size
-        self.max_delay_s = max_delay_s
+        self.flush_interval_s = flush_interval_s
         self.written = 0
         self.dropped = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="prefixgate-stats", daemon=True)
+        self._queue: collections.deque[RequestRecord | _Flush] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
         self._closed = False
+        self._thread = threading.Thread(target=self._run, name="prefixgate-stats", daemon=True)
         self._thread.start()
 
     def submit(self, record: RequestRecord) -> None:
-        """Queue one row; never blocks and never raises."""
-        self._queue.put(record.to_row())
+        """Queue one finished record (it must not change afterwards); never blocks or raises."""
+        self._queue.append(record)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block (call from a thread, not the event loop) until queued rows are written."""
         marker = _Flush()
-        self._queue.put(marker)
+        self._queue.append(marker)
+        self._wake.set()
         return marker.done.wait(timeout)
 
     def close(self) -> None:
@@ -60,46 +77,34 @@ class StatsWriter:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        self._stopping = True
+        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            batch: list[dict[str, Any]] = []
-            flushes: list[_Flush] = []
-            item = self._queue.get()
-            deadline = time.monotonic() + self.max_delay_s
-            while True:
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, _Flush):
-                    flushes.append(item)
-                else:
-                    batch.append(item)
-                if stopping or flushes or len(batch) >= self.batch_size:
-                    break
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-            if stopping:
-                batch.extend(self._drain(flushes))
-            self._write(batch)
-            for marker in flushes:
-                marker.done.set()
-
-    def _drain(self, flushes: list[_Flush]) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
         while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return rows
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            stopping = self._stopping  # read before draining: nothing queued before close is missed
+            self._drain()
+            if stopping:
+                return
+
+    def _drain(self) -> None:
+        rows: list[dict[str, Any]] = []
+        # deque.popleft is atomic; the loop may append meanwhile (written next time).
+        for _ in range(len(self._queue)):
+            item = self._queue.popleft()
             if isinstance(item, _Flush):
-                flushes.append(item)
-            elif item is not _STOP:
-                rows.append(item)
+                self._write(rows)
+                rows = []
+                item.done.set()
+                continue
+            rows.append(item.to_row())
+            if len(rows) >= self.batch_size:
+                self._write(rows)
+                rows = []
+        self._write(rows)
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         if not rows:

@@ -79,6 +79,7 @@ def compare_requests(
     *,
     tokenizer: Tokenizer | None = None,
     same_conversation: bool | None = None,
+    edits: bool = True,
 ) -> list[Finding]:
     """PS2xx findings: where ``current`` stops extending ``previous``'s prefix, and why.
 
@@ -88,11 +89,14 @@ def compare_requests(
     ``same_conversation`` overrides that inference (pass True when the caller
     found ``previous`` through :func:`conversation_keys`, e.g. by a conversation
     header: then a history truncated at its start is reported too).
-    ``tokens_lost`` is estimated with ``tokenizer`` (default: the approximation).
+    ``edits`` False skips a history that merely differs (pass
+    ``not keys.shared``: a shared ``prompt_cache_key`` may name many
+    conversations). ``tokens_lost`` is estimated with ``tokenizer`` (default:
+    the approximation).
     """
     if not isinstance(previous, Mapping) or not isinstance(current, Mapping):
         return []
-    result = divergence.compare(previous, current, tokenizer=tokenizer, same_conversation=same_conversation)
+    result = divergence.compare(previous, current, tokenizer=tokenizer, same_conversation=same_conversation, edits=edits)
     if result is None:
         return []
     rule = get_rule(result.code)

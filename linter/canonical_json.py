@@ -3,7 +3,7 @@
 Two JSON values that are equal as data have the same canonical form, so a
 template that serializes canonical values renders equal tools, schemas and
 tool-call arguments to identical tokens. :func:`canonicalize_body` is the fix
-PS104 and PS203 simulate; it returns the same object when nothing changes.
+PS104 simulates; it returns the same object when nothing changes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 A request belongs to the conversation named by an **explicit id**, in this order:
 the ``x-prefixgate-conversation`` header (gateway only), ``metadata.conversation_id``,
-then ``prompt_cache_key``. Without one, it continues an **earlier request whose
+then ``prompt_cache_key``. Applications often share one ``prompt_cache_key``
+across many conversations (it routes requests to a cache, per user or per
+application), so a conversation named only by it is ``shared``: a comparison
+reports a truncated history or changed tools and instructions, but not a
+message that merely differs (it may be another conversation under the key). Without one, it continues an **earlier request whose
 messages it extends**: the earlier request's whole message list (as data, key
 order ignored) is a prefix of this one's, covering at least the first
 non-system message, with the same ``model``, ``user``, ``tools``,
@@ -45,26 +49,31 @@ class ConversationKeys:
     """Where to look for the previous turn (``lookup``, most specific first) and where to remember this one.
 
     ``explicit`` is True when an id named the conversation; then ``lookup`` is
-    ``(remember,)``.
+    ``(remember,)``. ``shared`` is True when that id is a ``prompt_cache_key``,
+    which may name many conversations (see the module docstring).
     """
 
     lookup: tuple[str, ...]
     remember: str
     explicit: bool
+    shared: bool = False
 
 
-def explicit_id(body: Mapping[str, Any], header: str | None = None) -> str | None:
-    """The conversation id the client named: header, ``metadata.conversation_id``, ``prompt_cache_key``; else None."""
+def explicit_id(body: Mapping[str, Any], header: str | None = None) -> tuple[str, bool] | None:
+    """The conversation id the client named and whether it is a shared ``prompt_cache_key``; else None.
+
+    Order: the header, ``metadata.conversation_id``, ``prompt_cache_key``.
+    """
     if isinstance(header, str) and header:
-        return header[:_MAX_ID_CHARS]
+        return header[:_MAX_ID_CHARS], False
     metadata = body.get("metadata")
     if isinstance(metadata, Mapping):
         value = metadata.get("conversation_id")
         if isinstance(value, str) and value:
-            return value[:_MAX_ID_CHARS]
+            return value[:_MAX_ID_CHARS], False
     value = body.get("prompt_cache_key")
     if isinstance(value, str) and value:
-        return value[:_MAX_ID_CHARS]
+        return value[:_MAX_ID_CHARS], True
     return None
 
 
@@ -84,8 +93,8 @@ def conversation_keys(body: Mapping[str, Any], header: str | None = None) -> Con
     """
     named = explicit_id(body, header)
     if named is not None:
-        key = "id:" + named
-        return ConversationKeys((key,), key, True)
+        key = "id:" + named[0]
+        return ConversationKeys((key,), key, True, named[1])
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None

@@ -11,6 +11,11 @@ repeat, and names the cause at that point, in this order:
 5. a tool call's arguments differ only in key order or spacing -> PS203;
 6. otherwise the history was edited or truncated instead of appended -> PS204.
 
+Messages name a whitespace-only change (tools, instructions) and tool results
+that were only reordered, the causes the opt-in rules PS106 and PS105 check in
+single requests. A divergence that costs no full block of the earlier prompt
+(inside its last partial block) is not reported: nothing reusable was lost.
+
 What should be repeated: for a later turn of the same conversation (as
 :mod:`linter.conversation` defines it) everything up to the end of
 ``previous``'s last message; for
@@ -230,10 +235,13 @@ def compare(
     block_size: int = DEFAULT_BLOCK_SIZE,
     rendered: Sequence[Rendered] | None = None,
     same_conversation: bool | None = None,
+    edits: bool = True,
 ) -> Divergence | None:
     """The first divergence of ``current`` from ``previous`` (see the module docstring), or None.
 
     ``same_conversation`` None means: infer it with :func:`is_same_conversation`.
+    ``edits`` False leaves out a history that only differs (PS204 "history
+    edited"), for a conversation named by a shared ``prompt_cache_key``.
     """
     pr, cr = rendered if rendered is not None else (render(previous), render(current))
     if same_conversation is None:
@@ -246,8 +254,12 @@ def compare(
         # Extends the earlier prompt, or is itself a prefix of it (a retry or a branch).
         return None
     code, why, seg = _classify(previous, current, pr, cr, offset)
+    if code == "PS204" and not edits and why.startswith("history edited"):
+        return None
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)
+    if lost == 0:
+        return None  # inside the last partial block: nothing that could have been reused is lost
     scope = "conversation" if same_conversation else "request family"
     needle = cr.text[offset : min(seg.end, offset + 24)] if seg.kind == "message" else None
     message = f"{why}; the {scope}'s shared prefix breaks here"

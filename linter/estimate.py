@@ -7,10 +7,11 @@ unchanged bodies reuse their block hashes); "all fixes" applies every given fix
 in code order. Rates are cached prompt tokens over prompt tokens.
 
 Per rule the estimate also keeps which requests the fix changed and how many
-more tokens each of them hit (``RuleGain.changed``): the runner gives those
-numbers to the rule's findings as ``tokens_lost``, so a rule's findings and its
-row of the table are one measurement. A fix that changes no request says so
-(``applies`` False) instead of showing a gain of zero.
+more tokens each request hit with it (``RuleGain.deltas``, also for requests
+the fix did not change but that now reuse a fixed predecessor): the runner
+gives those numbers to the rule's findings as ``tokens_lost``, so a rule's
+findings and its row of the table are one measurement. A fix that changes no
+request says so (``applies`` False) instead of showing a gain of zero.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from linter.tokenizer import ApproxTokenizer, Tokenizer
 
 @dataclass(frozen=True)
 class RuleGain:
-    """The replay with one rule's fix. ``changed`` maps each request the fix changed to its extra cached tokens."""
+    """The replay with one rule's fix: ``changed`` requests, ``deltas`` (request -> extra cached tokens, non-zero only)."""
 
     code: str
     hit_rate_after: float
     cached_tokens_after: int
     tokens_gained: int
-    changed: dict[int, int]
+    changed: frozenset[int]
+    deltas: dict[int, int]
 
     @property
     def applies(self) -> bool:
@@ -118,12 +120,19 @@ def _replay(prompts: Sequence[Prompt], block_size: int, capacity: int | None) ->
     return replay, hits
 
 
+def _fresh(fix: Fix) -> Fix:
+    """A new instance of a stateful fix (one that remembers earlier requests, :mod:`linter.first_seen`)."""
+    fresh = getattr(fix, "fresh", None)
+    return fresh() if callable(fresh) else fix
+
+
 def _fixed(
     bodies: Sequence[Body], base: Sequence[Prompt], fixes: Sequence[tuple[Fix, set[int] | None]], make: Prompts
 ) -> tuple[list[Prompt], list[int]]:
     """The prompts with the fixes applied, and the indices of the bodies they changed."""
     out: list[Prompt] = []
     changed: list[int] = []
+    fixes = [(_fresh(fix), where) for fix, where in fixes]
     for i, (body, prompt) in enumerate(zip(bodies, base, strict=True)):
         fixed = body
         for fix, where in fixes:
@@ -161,8 +170,9 @@ def estimate(
     for code in sorted(fixes):
         prompts, changed = _fixed(bodies, base, [(fixes[code], where.get(code))], make)
         after, hits = _replay(prompts, block_size, capacity_blocks)
-        deltas = {i: hits[i] - hits_now[i] for i in changed}
-        gains.append(RuleGain(code, after.hit_rate, after.hit_tokens, after.hit_tokens - now.hit_tokens, deltas))
+        deltas = {i: h - h0 for i, (h, h0) in enumerate(zip(hits, hits_now, strict=True)) if h != h0}
+        gain = RuleGain(code, after.hit_rate, after.hit_tokens, after.hit_tokens - now.hit_tokens, frozenset(changed), deltas)
+        gains.append(gain)
     if fixes:
         every = [(fixes[c], where.get(c)) for c in sorted(fixes)]
         total, _ = _replay(_fixed(bodies, base, every, make)[0], block_size, capacity_blocks)

@@ -24,7 +24,7 @@ Sinks (where a value enters a request):
   constructors, ``response_format``;
 * history (PS305 only): ``messages`` keywords and names, attributes such as
   ``self.history``, returns of functions named for messages or history and of
-  methods of session/memory classes.
+  ``get_items``-style methods of session/memory classes.
 
 This is a lint, not a proof: values are not followed into other modules or
 through parameters of module functions, and a branch's assignment replaces the
@@ -54,11 +54,14 @@ _TOOLS_NAME = re.compile(r"(?i)^_*(tools|functions|tool_?specs?|tool_?schemas?|t
 _HISTORY_NAME = re.compile(r"(?i)(^|_)(messages|msgs|history|transcript|turns)$")
 _SEQUENCE_OF_TURNS = re.compile(r"(?i)(messages|msgs|history|turns|transcript|items|conversation|chat|memory|session|window|entries|events)$")
 _HISTORY_FUNCTION = re.compile(r"(?i)(messages|history|transcript|context_window|window)")
+_HISTORY_STORE = re.compile(r"(?i)^self\._?(messages|history|chat_history|chat_messages|transcript|turns|items)$")
+_HISTORY_METHOD = re.compile(r"(?i)^(get|load|fetch|read)_?(items|messages|history|turns|entries|context)")
 _SESSION_CLASS = re.compile(r"(?i)(session|memory|history|conversation|chat)")
 _PROMPT_DECORATOR = re.compile(r"(?i)(system_prompt|instructions|system_message)$")
-_USER_NAME = re.compile(r"(?i)(^|_|\.)(user|customer|account|tenant|member|email|profile|username)(_|$|\.|s$)")
+_USER_NAME = re.compile(r"(?i)^(current_|the_|my_|end_)?(user|customer|account|tenant|member|email|username)(_|s?$)")
 _UNORDERED_CALLS = {"set", "frozenset", "os.listdir", "listdir", "glob.glob", "glob.iglob", "os.scandir", "scandir"}
 _UNORDERED_METHODS = {"iterdir", "glob", "rglob", "union", "intersection", "difference", "symmetric_difference"}
+_EXECUTORS = {"to_thread", "run_in_executor", "run_sync"}
 _ORDER_FREE = {"len", "sorted", "min", "max", "sum", "any", "all", "isinstance", "bool", "hash", "id", "type", "callable"}
 _RANDOM = {"random.random", "random.randint", "random.choice", "random.choices", "random.sample", "random.shuffle", "random.uniform", "random.randrange", "random.getrandbits"}
 
@@ -71,6 +74,7 @@ class Cause:
     line: int
     column: int
     what: str
+    edit: bool = False  # an in-place edit (del, pop, insert, remove) rather than a slice
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,8 @@ class Reach:
         return {"instructions": "system prompt", "tools": "tools", "history": "messages"}[self.sink]
 
 
-def _cause(code: str, node: ast.AST, what: str) -> Cause:
-    return Cause(code, getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1, what)
+def _cause(code: str, node: ast.AST, what: str, *, edit: bool = False) -> Cause:
+    return Cause(code, getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1, what, edit)
 
 
 def _iterated(flow: Flow, at: ast.AST) -> Flow:
@@ -112,6 +116,11 @@ def _iterated(flow: Flow, at: ast.AST) -> Flow:
     elif flow.varying_keys is not None:
         causes = causes | {_cause(PS303, at, "a dict whose key order varies")}
     return Flow(causes)
+
+
+def _text(flow: Flow) -> Flow:
+    """A value written into text: a window of the history becomes content, not the history (no PS305)."""
+    return Flow(frozenset(c for c in flow.causes if c.code != PS305))
 
 
 def _sorted(flow: Flow) -> Flow:
@@ -186,15 +195,19 @@ class _Module:
 
     def _flow_Name(self, node: ast.Name, env: dict[str, Flow]) -> Flow:
         if node.id in self.functions and node.id not in env and node.id not in self.module_env:
-            return self.returns.get(node.id, CLEAN)  # a function used as a value (e.g. a system-prompt callback)
-        return self._lookup(node.id, env)
+            # A function passed as a value (a tool, a callback) is not its result; system-prompt
+            # callbacks are sinks themselves (their returns are checked as instructions).
+            return CLEAN
+        return self._lookup(node.id, env) | _user_value(node)
 
     def _flow_Attribute(self, node: ast.Attribute, env: dict[str, Flow]) -> Flow:
         name = pa.dotted_name(node)
+        if _is_user_name(name):
+            return self._lookup(name, env) | _user_value(node)
         if name in env or name in self.module_env:
             return self._lookup(name, env)
         if node.attr in self.functions and name.split(".")[0] in ("self", "cls"):
-            return self.returns.get(node.attr, CLEAN)
+            return CLEAN  # a method passed as a value, see _flow_Name
         return self.flow(node.value, env)
 
     def _flow_Set(self, node: ast.AST, env: dict[str, Flow]) -> Flow:
@@ -210,9 +223,7 @@ class _Module:
         base = self.flow(node.value, env)
         if isinstance(node.slice, ast.Slice):
             lower = node.slice.lower
-            negative = isinstance(lower, ast.UnaryOp) and isinstance(lower.op, ast.USub)
-            computed = lower is not None and not isinstance(lower, ast.Constant | ast.UnaryOp)
-            sliding = negative or (computed and bool(_SEQUENCE_OF_TURNS.search(pa.dotted_name(node.value))))
+            sliding = _window_start(lower) and bool(_SEQUENCE_OF_TURNS.search(pa.dotted_name(node.value)))
             if sliding:
                 text = ast.unparse(node)
                 return Flow(base.causes | {_cause(PS305, node, f"{text} keeps a sliding window")}, base.unordered)
@@ -230,7 +241,7 @@ class _Module:
         for value in node.values:
             if isinstance(value, ast.FormattedValue):
                 out = out | _iterated(self.flow(value.value, env), value.value)
-        return out
+        return _text(out)
 
     def _flow_BinOp(self, node: ast.BinOp, env: dict[str, Flow]) -> Flow:
         left, right = self.flow(node.left, env), self.flow(node.right, env)
@@ -238,6 +249,7 @@ class _Module:
             return Flow(left.causes | right.causes, left.unordered or right.unordered)
         if isinstance(node.op, ast.Mod):
             right = _iterated(right, node.right) if right.unordered else right
+            return _text(left | right)
         return Flow((left | right).causes)
 
     def _comprehension(self, node: ast.ListComp | ast.GeneratorExp | ast.DictComp, env: dict[str, Flow]) -> tuple[Flow, Flow]:
@@ -298,14 +310,30 @@ class _Module:
             out = Flow(receiver.causes)
             for f in flows:
                 out = out | f
-            return out
+            return _text(out) if name in ("str", "repr") or last == "join" else out
         out = CLEAN
         if name in self.functions or (isinstance(node.func, ast.Attribute) and last in self.functions and name.split(".")[0] in ("self", "cls")):
             out = self.returns.get(last, CLEAN)
         elif isinstance(node.func, ast.Attribute):
-            out = self.flow(node.func.value, env)  # a method of a value carries the value's causes
-            out = Flow(out.causes)
-        return out | Flow(self._args(args, env).causes)
+            # A method of a value carries the value's causes; a list's window survives only a copy.
+            causes = self.flow(node.func.value, env).causes
+            out = Flow(causes if last == "copy" else frozenset(c for c in causes if c.code != PS305))
+        arguments = Flow(self._args(args, env).causes)
+        if last in ("format", "format_map", "substitute", "safe_substitute"):
+            return out | _text(arguments)
+        if last in _EXECUTORS:  # asyncio.to_thread(fetch): the result is fetch's
+            out = out | self._function_results(args)
+        # Other calls carry their arguments' causes, but not user data: a tool factory
+        # given a customer directory is one tool for everyone; string building above keeps it.
+        return out | Flow(frozenset(c for c in arguments.causes if c.code != PS304))
+
+    def _function_results(self, args: list[ast.expr]) -> Flow:
+        out = CLEAN
+        for arg in args:
+            name = pa.dotted_name(arg).split(".")[-1] if isinstance(arg, ast.Name | ast.Attribute) else ""
+            if name in self.functions:
+                out = out | self.returns.get(name, CLEAN)
+        return out
 
     def _args(self, args: list[ast.expr], env: dict[str, Flow]) -> Flow:
         out = CLEAN
@@ -344,6 +372,7 @@ class _Module:
 
     def _statement(self, node: ast.stmt, env: dict[str, Flow], fn: ast.FunctionDef | ast.AsyncFunctionDef | None, loop: Flow) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            self._sinks(node, env, fn)  # decorators, e.g. @agent.tool(description=...)
             if isinstance(node, ast.ClassDef):
                 self._body(node.body, dict(env), None)  # class attributes: sinks by name
             return
@@ -356,6 +385,15 @@ class _Module:
                 if isinstance(node, ast.AugAssign):
                     value = self._lookup(name, env) | value | loop
                 env[name] = value
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript):  # d["k"]["j"] = v: the container now holds v
+                    root: ast.expr = target
+                    while isinstance(root, ast.Subscript):
+                        root = root.value
+                    base = pa.dotted_name(root)
+                    if base:
+                        env[base] = self._lookup(base, env) | Flow(value.causes) | loop
         elif isinstance(node, ast.For | ast.AsyncFor):
             source = self.flow(node.iter, env)
             order = _iterated(source, node.iter) if (source.unordered or source.varying_keys) else CLEAN
@@ -401,7 +439,8 @@ class _Module:
             kind = _named_sink(target)
             if kind is not None:
                 self._report(added, kind)
-        if method == "insert" or method == "remove" or (method == "pop" and call.args and not _minus_one(call.args[0]) and _is_int(call.args[0])):
+        list_pop = method == "pop" and len(call.args) == 1 and not _minus_one(call.args[0]) and _is_int(call.args[0])
+        if method == "remove" or list_pop:
             self._edit(target, call, env, f"{ast.unparse(call.func)}(...) edits the history")
         if method == "shuffle" and pa.call_name(call).startswith("random"):
             for arg in call.args:
@@ -412,9 +451,9 @@ class _Module:
     def _edit(self, target: str, node: ast.AST, env: dict[str, Flow], what: str) -> None:
         if not _HISTORY_NAME.search(target.split(".")[-1]):
             return
-        cause = _cause(PS305, node, what)
+        cause = _cause(PS305, node, what, edit=True)
         env[target] = self._lookup(target, env) | Flow(frozenset({cause}))
-        if target.startswith("self.") or target.count(".") >= 1:
+        if _HISTORY_STORE.match(target):  # the object's own history: what it sends next
             self._report(Flow(frozenset({cause})), "history")
 
     # -- sinks ----------------------------------------------------------------------------------
@@ -422,7 +461,11 @@ class _Module:
     def _report(self, flow: Flow, kind: str) -> None:
         if not self.reporting:
             return
+        returned = kind == "returned history"
+        kind = "history" if returned else kind
         for cause in flow.causes:
+            if returned and cause.edit:
+                continue  # a function that computes a history with an insert is not one that sends it edited
             if (kind == "history") == (cause.code == PS305):
                 if cause.code == PS304 and kind != "tools":
                     continue
@@ -438,29 +481,32 @@ class _Module:
             self._report(flow, kind)
 
     def _user_data(self, expr: ast.expr, env: dict[str, Flow]) -> Flow:
-        """User-specific names written into string building inside a tool definition (PS304)."""
+        """User-specific names read inside a tool definition (PS304), the outermost of each attribute chain."""
         causes: set[Cause] = set()
-        for inner in ast.walk(expr):
-            parts: list[ast.AST] = []
-            if isinstance(inner, ast.JoinedStr):
-                parts = [v.value for v in inner.values if isinstance(v, ast.FormattedValue)]
-            elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "format":
-                parts = [*inner.args, *(k.value for k in inner.keywords)]
-            elif isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add | ast.Mod):
-                parts = [inner.left, inner.right]
-            for part in parts:
-                for leaf in ast.walk(part):
-                    if isinstance(leaf, ast.Name | ast.Attribute) and _USER_NAME.search(pa.dotted_name(leaf)):
-                        causes.add(_cause(PS304, leaf, f"{pa.dotted_name(leaf)!r} (user-specific)"))
-                        break
+        stack: list[ast.AST] = [expr]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
+                name = pa.dotted_name(node)
+                if name.split(".")[-1] in self.functions:
+                    continue  # a tool function listed in the tools
+                if _is_user_name(name):
+                    causes.add(_cause(PS304, node, f"{name!r} (user-specific)"))
+                    continue
+            if isinstance(node, ast.Call):
+                stack.extend([*node.args, *(k.value for k in node.keywords)])  # not the callee: user.get_x is a call on user data
+                if isinstance(node.func, ast.Attribute):
+                    stack.append(node.func.value)
+                continue
+            stack.extend(ast.iter_child_nodes(node))
         return Flow(frozenset(causes))
 
     def _sink_exprs(self, statement: ast.stmt, fn: ast.FunctionDef | ast.AsyncFunctionDef | None) -> Iterator[tuple[str, ast.expr]]:
         if isinstance(statement, ast.Return) and statement.value is not None and fn is not None:
             if fn.name in self.prompt_functions:
                 yield "instructions", statement.value
-            if _HISTORY_FUNCTION.search(fn.name) or (_SESSION_CLASS.search(self.owner.get(fn, "")) and not fn.name.startswith("_")):
-                yield "history", statement.value
+            if _HISTORY_FUNCTION.search(fn.name) or (_SESSION_CLASS.search(self.owner.get(fn, "")) and _HISTORY_METHOD.search(fn.name)):
+                yield "returned history", statement.value
         if isinstance(statement, ast.Assign | ast.AnnAssign) and statement.value is not None:
             for name in pa.assigned_names(statement):
                 kind = _named_sink(name)
@@ -485,6 +531,23 @@ class _Module:
                         yield "tools", keyword.value
                     elif keyword.arg in _HISTORY_KEYWORDS:
                         yield "history", keyword.value
+
+
+def _is_user_name(name: str) -> bool:
+    """``user``, ``account_id``, ``self.customer.name`` (by the root, past ``self``); not ``tool.user_location`` or CONSTANTS."""
+    parts = name.split(".")
+    if parts[0] in ("self", "cls") and len(parts) > 1:
+        parts = parts[1:]
+    root = parts[0].lstrip("_")
+    return bool(root) and not root.isupper() and bool(_USER_NAME.search(root))
+
+
+def _user_value(node: ast.Name | ast.Attribute) -> Flow:
+    """A read of user-specific data (``user.name``, ``account_id``): a PS304 cause, reported only in tool definitions."""
+    name = pa.dotted_name(node)
+    if not _is_user_name(name):
+        return CLEAN
+    return Flow(frozenset({_cause(PS304, node, f"{name!r} (user-specific)")}))
 
 
 def _named_sink(name: str) -> str | None:
@@ -522,6 +585,20 @@ def _is_set_annotation(node: ast.expr | None) -> bool:
         return False
     base = node.value if isinstance(node, ast.Subscript) else node
     return pa.dotted_name(base).split(".")[-1] in ("set", "frozenset", "Set", "FrozenSet", "AbstractSet", "MutableSet")
+
+
+def _window_start(lower: ast.expr | None) -> bool:
+    """A slice start that keeps the last N items: ``-10``, ``-limit``, ``len(x) - n`` (not ``-1``: the last item)."""
+    if isinstance(lower, ast.UnaryOp) and isinstance(lower.op, ast.USub):
+        return not (isinstance(lower.operand, ast.Constant) and lower.operand.value == 1)
+    if isinstance(lower, ast.Constant) and isinstance(lower.value, int):
+        return lower.value < -1
+    return (
+        isinstance(lower, ast.BinOp)
+        and isinstance(lower.op, ast.Sub)
+        and isinstance(lower.left, ast.Call)
+        and pa.call_name(lower.left) == "len"
+    )
 
 
 def _minus_one(node: ast.expr) -> bool:

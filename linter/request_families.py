@@ -2,9 +2,10 @@
 
 A **family** is the requests that should share the static prefix: the same model
 and the same leading system/developer instructions once volatile values are
-masked, and user data (emails, phone numbers, labelled user fields) too (so
-requests that differ only by a timestamp or a user's name still group together,
-and the difference is reported as PS201 or PS206 where it costs). A
+masked, and user data (emails, phone numbers, labelled user fields) too, and
+whitespace collapsed (so requests that differ only by a timestamp, a user's
+email or stray whitespace still group together, and the difference is reported
+as PS201 or PS206 where it costs). A
 **conversation** is defined once, in :mod:`linter.conversation` (the gateway uses
 the same definition): an explicit id (``metadata.conversation_id``,
 ``prompt_cache_key``), or else a later request whose messages extend an earlier
@@ -23,6 +24,7 @@ per conversation.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from linter import chat_request
@@ -34,12 +36,18 @@ from linter.tokenizer import Tokenizer
 from linter.volatile import mask_volatile_cached
 
 
+@lru_cache(maxsize=4096)
+def _family_text(text: str, allowlist: tuple[str, ...]) -> str:
+    """Instructions with volatile values and user data masked and whitespace collapsed."""
+    return " ".join(mask_user_data(mask_volatile_cached(text, allowlist)).split())
+
+
 def family_key(body: Mapping[str, Any], allowlist: Sequence[str] = ()) -> Hashable:
     instructions: list[str] = []
     for _, message in chat_request.messages(body):
         if chat_request.role(message) not in chat_request.STATIC_ROLES:
             break
-        instructions.append(mask_user_data(mask_volatile_cached(chat_request.content_text(message), tuple(allowlist))))
+        instructions.append(_family_text(chat_request.content_text(message), tuple(allowlist)))
     return (str(body.get("model")), tuple(instructions))
 
 
@@ -77,6 +85,7 @@ class RequestFamilies:
                 block_size=self._block_size,
                 rendered=(previous[1], rendered),
                 same_conversation=same_conversation,
+                edits=not (same_conversation and keys is not None and keys.shared),
             )
         self._first.setdefault(family, (body, rendered))
         if keys is not None:

@@ -13,10 +13,11 @@ which repair a difference between requests rather than inside one).
 
 One finding per cause: a PS201 divergence inside a value that PS101 already
 reports on the same record is not reported again. With the estimate, a finding
-whose rule's fix changed its record gets that record's measured gain as
-``tokens_lost`` (the first finding of the rule on the record; later ones 0), so
-the findings of a rule add up to its row of the table; other findings keep the
-loss measured by the comparison with the earlier request.
+that its rule's fix applies to (the fix changes its record, or its record hits
+more tokens in the rule's fixed replay) gets that measured gain as ``tokens_lost`` (the first finding of the rule on the
+record; later ones 0), so those findings add up to the rule's row of the
+table; findings the fix does not repair keep the loss measured by the
+comparison with the earlier request, and the table says how many there are.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class LintReport:
     baselined: int = 0
     all_findings: list[Finding] = field(default_factory=list)  # before the baseline
     gateway_log: list[TenantStats] | None = None  # from --db
+    unrepaired: dict[str, tuple[int, int]] = field(default_factory=dict)  # code -> findings its fix does not repair
+    gained_elsewhere: dict[str, int] = field(default_factory=dict)  # code -> gain of its fix on requests without its finding
 
 
 def collect_paths(paths: Sequence[Path], config: LintConfig | None = None) -> tuple[list[Path], list[Path]]:
@@ -153,19 +156,27 @@ def _reported(code: str, location: str, same_record: Sequence[Finding]) -> bool:
     return False
 
 
-def _measured(findings: list[tuple[Finding, int]], estimate: Estimate) -> list[tuple[Finding, int]]:
-    """Findings whose rule's fix changed their record carry that record's measured gain (module docstring)."""
-    changed = {gain.code: gain.changed for gain in estimate.per_rule}
+def _measured(findings: list[tuple[Finding, int]], estimate: Estimate) -> tuple[list[tuple[Finding, int]], dict[str, tuple[int, int]]]:
+    """Findings their rule's fix applies to carry the gain measured on their record (module docstring).
+
+    Also returns, per code, the findings the fix does not repair: (count, tokens lost).
+    """
+    gains = {gain.code: gain for gain in estimate.per_rule}
     given: set[tuple[str, int]] = set()
     out: list[tuple[Finding, int]] = []
+    unrepaired: dict[str, tuple[int, int]] = {}
     for finding, index in findings:
-        deltas = changed.get(finding.code, {})
-        if index in deltas:
-            lost = 0 if (finding.code, index) in given else max(0, deltas[index])
-            given.add((finding.code, index))
-            finding = replace(finding, tokens_lost=lost)
+        rule_gain = gains.get(finding.code)
+        if index >= 0 and rule_gain is not None:
+            gain = max(0, rule_gain.deltas.get(index, 0))
+            if gain > 0 or index in rule_gain.changed:
+                finding = replace(finding, tokens_lost=0 if (finding.code, index) in given else gain)
+                given.add((finding.code, index))
+            else:
+                count, lost = unrepaired.get(finding.code, (0, 0))
+                unrepaired[finding.code] = (count + 1, lost + (finding.tokens_lost or 0))
         out.append((finding, index))
-    return out
+    return out, unrepaired
 
 
 def _targets(rules: Sequence[Rule], fixes: dict[str, Fix], codes: Sequence[set[str]]) -> dict[str, set[int] | None]:
@@ -253,9 +264,15 @@ def _lint_paths(
             base=run.base,
             targets=_targets(rules, fixes, codes),
         )
-        pairs = _measured(pairs, result)
+        pairs, unrepaired = _measured(pairs, result)
     findings = sorted((f for f, _ in pairs), key=Finding.sort_key)
     report = LintReport(findings, problems, result, rules, len(request_files) + len(source_files), all_findings=findings)
+    if result is not None:
+        report.unrepaired = unrepaired
+        with_finding = {(f.code, i) for f, i in pairs}
+        report.gained_elsewhere = {
+            g.code: sum(d for i, d in g.deltas.items() if (g.code, i) not in with_finding) for g in result.per_rule
+        }
     if baseline is not None:
         report.findings = filter_baseline(findings, load_baseline(baseline))
         report.baselined = len(findings) - len(report.findings)

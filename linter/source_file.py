@@ -2,7 +2,8 @@
 
 ``# prefixgate: noqa`` at the end of a line suppresses every finding on that
 line; ``# prefixgate: noqa: PS301, PS302`` only those codes. A file that does not
-parse is reported as a load problem, never raised.
+parse, or is nested too deeply to parse or analyse, is reported as a load
+problem, never raised.
 """
 
 from __future__ import annotations
@@ -51,7 +52,14 @@ def lint_source(path: Path, rules: Collection[Rule], options: Options, problems:
     except SyntaxError as exc:
         problems.append(LoadProblem(name, exc.lineno or 1, f"syntax error: {exc.msg}"))
         return []
-    return lint_tree(name, source, tree, rules, options)
+    except (RecursionError, MemoryError):
+        problems.append(LoadProblem(name, 1, "too deeply nested to parse"))
+        return []
+    try:
+        return lint_tree(name, source, tree, rules, options)
+    except RecursionError:
+        problems.append(LoadProblem(name, 1, "too deeply nested to analyse"))
+        return []
 
 
 def lint_tree(name: str, source: str, tree: ast.Module, rules: Collection[Rule], options: Options) -> list[Finding]:

@@ -1,22 +1,25 @@
 """LLMEngine: the engine loop thread that turns GenerationRequests into StepOutputs.
 
 Flow of one request: :meth:`LLMEngine.submit` validates it and queues it (any
-thread); the loop thread admits it (:class:`~engine.core.scheduler.Scheduler`, FCFS),
-takes its prefix-cache hit and allocates its blocks
-(:class:`~engine.kv_cache_manager.KVCacheManager`), prefills the uncached suffix
-and decodes token by token (:class:`~engine.model.runner.ModelRunner`), samples
-(:mod:`engine.core.sampler`), detokenizes (:class:`~engine.core.detokenizer.Detokenizer`)
-and pushes each step's output into the request's :class:`OutputStream`.
+thread); every loop iteration the :class:`~engine.core.scheduler.Scheduler` picks
+the step's work (decode tokens of running requests, prefill chunks of new ones,
+under a token budget), reserving blocks in the
+:class:`~engine.kvcache.kv_cache_manager.KVCacheManager` it owns; the
+:class:`~engine.model.runner.ModelRunner` computes all of it in one forward,
+reading and writing K/V in the block pool; each request whose forward reached its
+last token samples (:mod:`engine.core.sampler`), detokenizes
+(:class:`~engine.core.detokenizer.Detokenizer`) and gets a :class:`StepOutput` in
+its :class:`OutputStream`.
 
 Invariants:
 
-* only the loop thread touches the model, the KV storage and the KV cache
-  manager; other threads talk to it through ``_inbox`` and ``_aborts`` under
-  ``_cond``;
+* only the loop thread touches the model, the KV storage, the scheduler and the
+  KV cache manager; other threads talk to it through ``_inbox`` and ``_aborts``
+  under ``_cond``;
 * a request's blocks are freed exactly once, when it finishes for any reason
   (stop, length, abort, error), before its finished output is put in its
-  stream; blocks whose K/V a failed forward never wrote lose their hash first,
-  so no one can hit them.
+  stream; after a failed forward, the blocks it was computing lose their hash
+  first (for every request of the batch), so no one can hit them.
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.kvcache.kv_cache_manager import KVCacheManager
-from engine.model import attention
 from engine.model.kv_storage import KVLayout, KVStorage
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, SequenceInput
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +77,6 @@ class LLMEngine:
         )
         self.storage = KVStorage.from_memory(self.layout, config.kv_cache_memory_gib)
         self.block_size = config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            self.storage.num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        attention.install(model)
         self.runner = ModelRunner(model, self.storage)
         model_len = config.max_model_len or mc.max_position_embeddings
         kv_tokens = self.storage.num_blocks * config.block_size
@@ -89,7 +87,15 @@ class LLMEngine:
         self.supports_images = False
         self.vocab_size = int(mc.vocab_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.scheduler = Scheduler(self.storage.num_blocks, config.block_size, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            self.storage.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
         self._rng = random.Random(config.seed)
@@ -101,7 +107,6 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._num_finished = 0
         self._finish_counts: dict[str, int] = {}
-        self._num_preemptions = 0
         self._ttft = (0, 0.0)
 
     @classmethod
@@ -171,7 +176,7 @@ class LLMEngine:
             num_finished=self._num_finished,
             num_aborted=self._finish_counts.get("abort", 0),
             num_failed=self._finish_counts.get("error", 0),
-            num_preemptions=self._num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
         )
@@ -229,20 +234,38 @@ class LLMEngine:
             self._finish(req, "abort")
 
     def step(self) -> None:
-        """Run one scheduler step: decode every running request, then prefill new ones."""
+        """Run one scheduler step: one forward over every scheduled token, then sample."""
         work = self.scheduler.schedule()
-        for req in work.decodes:
-            if req.request_id in self.scheduler.running:  # not preempted earlier in this step
-                self._run(req, prefill=req.state is None)
-        for req in work.prefills:
-            self._run(req, prefill=True)
-
-    def _run(self, req: EngineRequest, prefill: bool) -> None:
-        first = prefill and not req.kv.output_token_ids
+        if not work.scheduled:
+            return
+        kvm = self.kv_cache_manager
+        inputs = [
+            SequenceInput(
+                token_ids=s.request.kv.all_token_ids[s.start : s.end],
+                start=s.start,
+                block_ids=kvm.get_block_ids(s.request.request_id),
+                sample=s.samples,
+            )
+            for s in work.scheduled
+        ]
         try:
-            logits = self._forward_with_room(req, prefill)
-            if logits is None:
-                return
+            logits = self.runner.execute(inputs)
+        except Exception as exc:
+            logger.exception("forward over %d requests failed", len(inputs))
+            self.scheduler.forget_unwritten(work)
+            for s in work.scheduled:
+                self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        row = 0
+        for s in work.scheduled:
+            s.request.num_computed_tokens = s.end
+            if s.samples:
+                self._sample(s.request, logits[row])
+                row += 1
+
+    def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
+        first = not req.kv.output_token_ids
+        try:
             if first and self.first_logits_observer is not None:
                 self.first_logits_observer(req.request_id, logits)
             token = sample(logits, req.params, req.generator)
@@ -251,7 +274,6 @@ class LLMEngine:
             reason = req.append_token(token)
         except Exception as exc:
             logger.exception("request %s failed", req.request_id)
-            req.forget_unwritten_blocks(self.kv_cache_manager)
             self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
             return
         if first:
@@ -261,28 +283,8 @@ class LLMEngine:
                 observer(ttft)
         finished = reason is not None
         if finished:
-            self._release(req, keep_working_cache=True)
+            self._release(req)
         self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs)
-
-    def _forward_with_room(self, req: EngineRequest, prefill: bool) -> torch.Tensor | None:
-        """Run the request's next forward, preempting newer requests while no block is
-        free. None when the request itself had to wait (un-admitted or preempted)."""
-        while True:
-            kvm, runner = self.kv_cache_manager, self.runner
-            logits = req.prefill(kvm, runner) if prefill else req.decode(kvm, runner)
-            if logits is not None:
-                return logits
-            victim = self.scheduler.preempt_victim()
-            if prefill and (victim is None or victim is req):
-                self.scheduler.unadmit(req)
-                return None
-            assert victim is not None
-            logger.info("preempting %s: no free KV block", victim.request_id)
-            victim.preempt(self.kv_cache_manager)
-            self._num_preemptions += 1
-            self.scheduler.unadmit(victim)
-            if victim is req:
-                return None
 
     def _abort_now(self, request_id: str) -> None:
         req = self.scheduler.remove(request_id)
@@ -292,7 +294,7 @@ class LLMEngine:
     def _finish(self, req: EngineRequest, reason: str, error: str | None = None) -> None:
         text = req.detokenizer.take_new_text(True) if reason != "error" else ""
         self._finish_counts[reason] = self._finish_counts.get(reason, 0) + 1
-        self._release(req, keep_working_cache=reason == "abort")
+        self._release(req)
         self._emit(req, [], text, reason, error)
 
     def _emit(
@@ -313,14 +315,9 @@ class LLMEngine:
         if not req.stream.put(output) and reason is None:
             self.abort(req.request_id)  # the consumer's event loop is gone
 
-    def _release(self, req: EngineRequest, keep_working_cache: bool = False) -> None:
-        """Free the request's blocks; a cleanly stopped request's working cache becomes
-        the runner's spare (never after a failed forward, which may have left it torn)."""
-        self.scheduler.remove(req.request_id)
-        if keep_working_cache and req.state is not None and self.config.enable_prefix_caching:
-            self.runner.retain(req.state, req.written_block_hashes())
-        self.kv_cache_manager.free(req.request_id)
-        req.state = None
+    def _release(self, req: EngineRequest) -> None:
+        """Take the request out of the scheduler and free its blocks (idempotent)."""
+        self.scheduler.finish(req)
         self._num_finished += 1
         with self._cond:
             self._active.discard(req.request_id)

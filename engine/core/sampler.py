@@ -1,6 +1,7 @@
 """Sampler: picks the next token from one request's logits.
 
-Greedy when ``temperature == 0``; otherwise logits are divided by the
+Greedy when ``params.greedy`` (temperature below 1e-5, 0 included: tinier
+temperatures overflow the division); otherwise logits are divided by the
 temperature, cut to the ``top_k`` largest and to the smallest set whose
 probability reaches ``top_p``, and a token is drawn with the request's own
 ``torch.Generator``, so a seeded request draws the same tokens whatever else runs.

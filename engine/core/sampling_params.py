@@ -7,12 +7,17 @@ from typing import Any
 
 MAX_TOP_LOGPROBS = 20
 
+# Temperatures below this are greedy (vLLM's rule too): dividing float32 logits by
+# something as small as 1e-45 gives inf, and softmax then gives NaN probabilities.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Validated sampling settings; ``__post_init__`` raises ValueError naming the bad field.
 
-    ``temperature == 0`` means greedy (top_p, top_k and seed are then irrelevant).
+    ``temperature < MIN_SAMPLING_TEMPERATURE`` (0 included) means greedy (top_p,
+    top_k and seed are then irrelevant).
     A set ``seed`` makes the request's sampled tokens reproducible whatever else
     the engine runs at the same time. ``logprobs`` (None: none) asks for the
     sampled token's log-probability and that many most likely alternatives.
@@ -61,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 def _is_int(value: object) -> bool:

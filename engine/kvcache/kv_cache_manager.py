@@ -93,13 +93,15 @@ class KVCacheManager:
         return self.req_to_slots.get(request_id, 0)
 
     # --------------------------------------------------------------- operations
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the start of ``request``.
 
         Never covers the request's last token, whose logits must be computed, so a
         fully cached prompt of ``k * block_size`` tokens hits ``k - 1`` blocks.
         Returns the blocks and the number of tokens they hold. Counts one query of
-        ``request.num_tokens`` tokens in the statistics (nothing when caching is off).
+        ``request.num_tokens`` tokens in the statistics unless ``count`` is false (a
+        scheduler probing a request it may not admit yet counts it with
+        :meth:`count_query` once it does); nothing when caching is off.
         """
         if not self.enable_caching:
             return [], 0
@@ -112,10 +114,17 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_computed = len(hits) * self.block_size
+        if count:
+            self.count_query(request, num_computed)
+        return hits, num_computed
+
+    def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Record one prefix-cache query of ``request`` that hit ``num_hit_tokens`` tokens."""
+        if not self.enable_caching:
+            return
         self._stats.requests += 1
         self._stats.queries += request.num_tokens
-        self._stats.hits += num_computed
-        return hits, num_computed
+        self._stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,
@@ -203,16 +212,25 @@ class KVCacheManager:
     def uncache_unwritten_blocks(self, request_id: str, num_written_tokens: int) -> None:
         """After a failed forward: forget the hashes of the request's blocks past its
         first ``num_written_tokens // block_size``, whose K/V were never written, so
-        no later request can hit garbage. Blocks another request also holds keep
-        their hash (that request computed them). The blocks stay in the table."""
+        no later request can hit garbage. Such a block is forgotten even when another
+        request holds it: that request hit it in the same step, so it ran in the same
+        failed forward (its cached-block count shrinks accordingly). The blocks stay
+        in the tables."""
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             return
         keep = num_written_tokens // self.block_size
-        for block in blocks[keep:]:
-            if block.block_hash is not None and block.ref_cnt == 1:
-                self.block_pool.uncache(block)
+        dropped = [b for b in blocks[keep:] if b.block_hash is not None]
+        for block in dropped:
+            self.block_pool.uncache(block)
         self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], keep)
+        if not dropped:
+            return
+        for rid, table in self.req_to_blocks.items():
+            cached = self.num_cached_blocks[rid]
+            first = next((i for i, b in enumerate(table[:cached]) if b in dropped), None)
+            if first is not None:
+                self.num_cached_blocks[rid] = first
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes. Refused (returns False) while any block is in use."""

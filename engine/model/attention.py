@@ -1,34 +1,44 @@
-"""Length-invariant attention: the same bits for a token whatever the sequence around it.
+"""Paged, length-invariant attention: the same bits for a token whatever the batch around it.
 
-The engine computes a token either in one full pass over the prompt or over K/V
-gathered from the prefix cache, and greedy outputs must not change between the
-two. PyTorch's CPU flash-attention kernel does not allow that: its reductions
-are cut by the total key length and the number of queries, so a token's
-attention output moves with the length of the call (~1e-6 in float32; in
+Each sequence of a flattened batch reads its keys and values straight from
+:class:`~engine.model.kv_storage.KVStorage` through its block table (one
+``index_select`` per layer into a transient buffer; no per-request cache is kept).
+
+The engine computes a token either in one full pass over the prompt, over K/V
+cached by an earlier request, alone or next to other requests, and greedy outputs
+must not change between these. PyTorch's CPU flash-attention kernel does not allow
+that: its reductions are cut by the total key length and the number of queries, so
+a token's attention output moves with the length of the call (~1e-6 in float32; in
 bfloat16 the output rounding turns that into logit differences of ~0.5 and
-different greedy tokens). This module computes attention with plain matrix
-products instead, which are row-independent on CPU (each query row's result
-depends only on that row and the keys), and pads the key length to a multiple of
+different greedy tokens). Here attention is plain matrix products, which are
+row-independent on CPU (each query row's result depends only on that row and the
+keys), one sequence at a time, with the key length padded to a multiple of
 :data:`KV_PAD` so that vectorised reductions see the same shape of tail; padded
-keys are zero and masked. Precision matches transformers' "eager" attention:
-scores and probabilities in the model dtype, softmax accumulated in float32.
+keys come from the storage's pad block or stale slots and are masked. Precision
+matches transformers' "eager" attention: scores and probabilities in the model
+dtype, softmax accumulated in float32.
 
-The mask is derived from ``position_ids``: query ``i`` attends key ``j`` iff
-``j <= position_i``; this relies on key index ``j`` holding position ``j``, which
-the engine's working caches guarantee (contiguous from position 0). Queries are
-processed in chunks of :data:`Q_CHUNK` rows, each over the keys it can see, so a
-long prefill skips the masked upper triangle and bounds its scratch memory.
+The mask is by position: query ``i`` attends key ``j`` iff ``j <= position_i``; key
+``j`` of a sequence is its position ``j`` (block tables are in position order).
+Queries are processed in chunks of :data:`Q_CHUNK` rows, each over the keys it can
+see, so a long prefill skips the masked upper triangle and bounds its scratch memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ATTN_IMPLEMENTATION = "prefixgate_attention"
+from engine.model.kv_storage import KVStorage
+
+ATTN_IMPLEMENTATION = "prefixgate_paged_attention"
 KV_PAD = 64
 Q_CHUNK = 256
+ROW_MULTIPLE = 4
+"""Matrix products get a multiple of this many rows (see :func:`_pad_rows`)."""
 
 
 def padded_length(n: int) -> int:
@@ -36,7 +46,126 @@ def padded_length(n: int) -> int:
     return -(-n // KV_PAD) * KV_PAD
 
 
-def position_masked_attention(
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's rows in a flattened batch.
+
+    Rows ``row .. row + num_tokens - 1`` hold its tokens at positions ``start ..
+    start + num_tokens - 1``; ``block_table`` covers at least ``padded_length(start +
+    num_tokens)`` positions (padded with the storage's pad block).
+    """
+
+    row: int
+    num_tokens: int
+    start: int
+    block_table: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token sequences whose block tables have the same length, attended together.
+
+    ``rows[i]`` is the row of sequence ``i``, ``positions[i]`` its token's position and
+    ``block_tables`` their tables concatenated (``len(rows) * blocks_per_seq`` ids).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    blocks_per_seq: int
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """What attention needs to know about a flattened batch: where each new token's
+    K/V go (``slots``, one per row, padding rows included), the multi-token sequences
+    (prefill chunks) and the single-token ones (decodes), grouped."""
+
+    storage: KVStorage
+    slots: torch.Tensor
+    sequences: Sequence[SequenceSlice]
+    decode_groups: Sequence[DecodeGroup] = ()
+
+
+def _pad_rows(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``[..., m, head_dim]``) with zero rows appended up to a multiple of
+    :data:`ROW_MULTIPLE`: a CPU matrix product rounds rows differently with 1-3 rows."""
+    extra = -q.shape[-2] % ROW_MULTIPLE
+    if not extra:
+        return q
+    return torch.cat([q, q.new_zeros((*q.shape[:-2], extra, q.shape[-1]))], dim=-2)
+
+
+def paged_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Write the batch's new ``key``/``value`` (``[T, kv_heads, head_dim]``) into their
+    slots, then attend every sequence's queries (``query``: ``[T, heads, head_dim]``)
+    over its keys. Returns ``[T, heads * head_dim]`` (zeros on padding rows)."""
+    batch.storage.write(layer, batch.slots, key, value)
+    out = query.new_zeros((query.shape[0], query.shape[1] * query.shape[2]))
+    for group in batch.decode_groups:
+        _attend_decodes(layer, query, batch.storage, group, scale, out)
+    for seq in batch.sequences:
+        _attend_sequence(layer, query, batch.storage, seq, scale, out)
+    return out
+
+
+def _attend_decodes(
+    layer: int, query: torch.Tensor, storage: KVStorage, group: DecodeGroup, scale: float, out: torch.Tensor
+) -> None:
+    kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
+    heads = query.shape[1]
+    groups = heads // kv_heads
+    n = group.rows.numel()
+    length = group.blocks_per_seq * storage.layout.block_size
+    keys_t = torch.index_select(storage.keys_t[layer], 2, group.block_tables)
+    keys_t = keys_t.view(kv_heads, head_dim, n, length).transpose(1, 2).contiguous()
+    values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
+    q = (query[group.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+    scores = torch.matmul(_pad_rows(q), keys_t)  # [kv_heads, n, padded groups, length]
+    hidden = torch.arange(length)[None, :] > group.positions[:, None]
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
+    chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
+    out[group.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
+
+
+def _attend_sequence(
+    layer: int, query: torch.Tensor, storage: KVStorage, seq: SequenceSlice, scale: float, out: torch.Tensor
+) -> None:
+    kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
+    heads = query.shape[1]
+    group = heads // kv_heads
+    keys_t, values = storage.gather(layer, seq.block_table)
+    q_all = query[seq.row : seq.row + seq.num_tokens] * scale
+    key_index = torch.arange(keys_t.shape[-1])
+    for cs in range(0, seq.num_tokens, Q_CHUNK):
+        ce = min(seq.num_tokens, cs + Q_CHUNK)
+        rows = ce - cs
+        first_pos, last_pos = seq.start + cs, seq.start + ce - 1
+        seen = min(padded_length(last_pos + 1), keys_t.shape[-1])
+        q = q_all[cs:ce].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = _pad_rows(q.reshape(kv_heads, group * rows, head_dim))
+        scores = torch.matmul(q, keys_t[:, :, :seen])
+        first_hidden = first_pos + 1  # keys before this are seen by every row
+        if first_hidden < seen:
+            positions = torch.arange(first_pos, last_pos + 1)
+            hidden = key_index[None, first_hidden:seen] > positions[:, None]
+            tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
+            tail.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
+        chunk = torch.matmul(probs, values[:, :seen])[:, : group * rows]
+        chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
+        out[seq.row + cs : seq.row + ce] = chunk.reshape(rows, heads * head_dim)
+
+
+def transformers_attention(
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -46,47 +175,36 @@ def position_masked_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention by position for one sequence; returns ``[1, q, heads, head_dim]``."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or query.shape[0] != 1:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} needs position_ids and a batch of one sequence")
-    _, heads, num_q, head_dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
+    """:func:`paged_attention` behind transformers' attention interface (the generic
+    forward): ``query``/``key``/``value`` are ``[1, heads, T, head_dim]`` for the whole
+    flattened batch, the batch comes in ``kwargs["paged_batch"]``; returns ``[1, T,
+    heads, head_dim]``."""
+    batch = kwargs.get("paged_batch")
+    if not isinstance(batch, AttentionBatch) or query.shape[0] != 1:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} needs a paged_batch and one flattened sequence")
+    head_dim = query.shape[-1]
     scale = scaling if scaling is not None else head_dim**-0.5
-    positions = position_ids[0].tolist()
-    key_index = torch.arange(key.shape[2])
-    out = query.new_empty((1, num_q, heads, head_dim))
-    for start in range(0, num_q, Q_CHUNK):
-        end = min(num_q, start + Q_CHUNK)
-        rows = end - start
-        seen = min(padded_length(max(positions[start:end]) + 1), key.shape[2])
-        q = query[:, :, start:end].reshape(1, kv_heads, group * rows, head_dim) * scale
-        scores = torch.matmul(q, key[:, :, :seen].transpose(-1, -2))
-        first_hidden = min(positions[start:end]) + 1  # keys before this are seen by every row
-        if first_hidden < seen:
-            hidden = key_index[None, first_hidden:seen] > position_ids[0, start:end, None]
-            tail = scores.view(1, kv_heads, group, rows, seen)[..., first_hidden:]
-            tail.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
-        chunk = torch.matmul(probs, value[:, :, :seen])
-        out[:, start:end] = chunk.view(1, heads, rows, head_dim).transpose(1, 2)
-    return out, None
+    out = paged_attention(
+        module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        batch, scale,
+    )
+    return out.view(1, out.shape[0], -1, head_dim), None
 
 
-def install(model: Any) -> None:
-    """Register the attention function and make ``model`` use it.
-
-    Raises ValueError for models whose attention is not plain causal attention
-    (sliding windows, logit soft-capping), which this function does not implement.
-    """
-    from transformers import AttentionInterface
-
-    config = model.config
+def check_supported(config: Any) -> None:
+    """Raise ValueError for attention this module does not implement (sliding windows,
+    logit soft-capping)."""
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ValueError(f"sliding-window attention ({config.sliding_window}) is not supported")
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError("attention logit soft-capping is not supported")
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, position_masked_attention)
+
+def install(model: Any) -> None:
+    """Register :func:`transformers_attention` and make ``model`` use it (the generic
+    forward). Raises ValueError for unsupported attention (:func:`check_supported`)."""
+    from transformers import AttentionInterface
+
+    check_supported(model.config)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, transformers_attention)
     model.config._attn_implementation = ATTN_IMPLEMENTATION

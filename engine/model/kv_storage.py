@@ -1,15 +1,24 @@
 """KVStorage: the engine's KV cache memory, one key and one value tensor per layer.
 
-Each tensor is laid out by the block pool: ``[num_blocks, block_size, kv_heads,
-head_dim]``. Token ``p`` of a request lives in block ``block_table[p // block_size]``
-at offset ``p % block_size`` (its *slot*). The KV cache manager decides which
-blocks a request holds; this module only moves tensors in and out of slots.
+Laid out by block for paged attention: per layer, keys are stored transposed as
+``[kv_heads, head_dim, num_blocks + 1, block_size]`` and values as ``[kv_heads,
+num_blocks + 1, block_size, head_dim]``. Token ``p`` of a request lives in block
+``block_table[p // block_size]`` at offset ``p % block_size`` (its *slot*). Gathering
+a block table with one ``index_select`` then yields a sequence's keys as ``K^T``
+(``[kv_heads, head_dim, tokens]``) and its values as ``[kv_heads, tokens, head_dim]``,
+both contiguous: the layouts the CPU matrix products read without another copy.
+
+The extra block at index :attr:`KVStorage.pad_block` is never handed out by the
+KV cache manager: block tables are padded with it up to the attention's key
+padding (see :mod:`engine.model.attention`), and the padding rows of a batch
+write their K/V into it. Its contents are finite and always masked.
 
 Invariants:
 
 * shapes and dtype never change after construction;
 * a slot's contents are only meaningful while some block table holds its block
-  (or while the block is cached under a hash): writers write only their own slots.
+  (or while the block is cached under a hash): writers write only their own slots;
+* every element is finite (zeros at start; only computed K/V are written).
 """
 
 from __future__ import annotations
@@ -58,21 +67,24 @@ class KVLayout:
 
 
 class KVStorage:
-    """Per-layer key/value tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    """Per-layer keys ``[kv_heads, head_dim, blocks, block_size]`` and values
+    ``[kv_heads, blocks, block_size, head_dim]``; ``blocks = num_blocks + 1`` (the pad block)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks!r}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (num_blocks, layout.block_size, layout.kv_heads, layout.head_dim)
-        self.keys = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+        self.pad_block = num_blocks
+        h, d, bs = layout.kv_heads, layout.head_dim, layout.block_size
+        total = num_blocks + 1
+        self.keys_t = [torch.zeros((h, d, total, bs), dtype=layout.dtype) for _ in range(layout.num_layers)]
+        self.values = [torch.zeros((h, total, bs, d), dtype=layout.dtype) for _ in range(layout.num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
             num_blocks,
-            layout.block_size,
-            num_blocks * layout.block_size,
+            bs,
+            num_blocks * bs,
             num_blocks * layout.bytes_per_block / GIB,
             str(layout.dtype).removeprefix("torch."),
         )
@@ -81,29 +93,28 @@ class KVStorage:
     def from_memory(cls, layout: KVLayout, memory_gib: float) -> KVStorage:
         return cls(layout, layout.num_blocks_for(memory_gib))
 
-    def slot_ids(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+    @property
+    def pad_slot(self) -> int:
+        """The slot padding rows of a batch write to (in the pad block)."""
+        return self.pad_block * self.layout.block_size
+
+    def slot_ids(self, block_ids: Sequence[int], start: int, end: int) -> list[int]:
         """Flat slot indices of token positions ``[start, end)`` for a block table."""
         bs = self.layout.block_size
         if end > len(block_ids) * bs:
             raise ValueError(f"positions up to {end} exceed {len(block_ids)} blocks of {bs}")
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def write(
-        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Store ``keys``/``values`` shaped ``[kv_heads, n, head_dim]`` into ``n`` slots."""
-        flat_shape = (-1, self.layout.kv_heads, self.layout.head_dim)
-        self.keys[layer].view(flat_shape).index_copy_(0, slots, keys.transpose(0, 1))
-        self.values[layer].view(flat_shape).index_copy_(0, slots, values.transpose(0, 1))
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` shaped ``[n, kv_heads, head_dim]`` into ``n`` slots."""
+        h, d = self.layout.kv_heads, self.layout.head_dim
+        self.keys_t[layer].view(h, d, -1).index_copy_(2, slots, keys.permute(1, 2, 0))
+        self.values[layer].view(h, -1, d).index_copy_(1, slots, values.transpose(0, 1))
 
-    def read_blocks_into(
-        self, layer: int, block_ids: torch.Tensor, key_out: torch.Tensor, value_out: torch.Tensor
-    ) -> None:
-        """Copy whole blocks, in table order, into ``[kv_heads, n, head_dim]`` views
-        (``n = len(block_ids) * block_size``; any strides whose token dimension can be
-        split into blocks). One pass per tensor: the gather writes straight into the views."""
-        h, nb, bs, d = self.layout.kv_heads, block_ids.numel(), self.layout.block_size, self.layout.head_dim
-        for pool, out in ((self.keys[layer], key_out), (self.values[layer], value_out)):
-            torch.index_select(pool.permute(2, 0, 1, 3), 1, block_ids, out=out.view(h, nb, bs, d))
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block table's keys as ``K^T [kv_heads, head_dim, n]`` and values as
+        ``[kv_heads, n, head_dim]``, contiguous (``n = len(block_table) * block_size``)."""
+        h, d = self.layout.kv_heads, self.layout.head_dim
+        keys_t = torch.index_select(self.keys_t[layer], 2, block_table).view(h, d, -1)
+        values = torch.index_select(self.values[layer], 1, block_table).view(h, -1, d)
+        return keys_t, values

@@ -1,249 +1,130 @@
-"""ModelRunner: runs a request's uncached tokens over its cached K/V and writes new K/V to blocks.
+"""ModelRunner: one forward over a flattened batch of sequences, K/V read and written in blocks.
 
-One request's life in the runner:
+The engine loop hands the runner, for every scheduled sequence, the tokens to
+compute this step (a prefill chunk or one decode token), the position of the first
+one and the sequence's block table. The runner flattens them into one batch
+(``[T]`` token ids, positions and slots), runs the model once, and returns the
+float32 logits of the last token of every sequence that asked for them. New K/V
+are written into their block slots inside the forward, before attention reads them,
+so a sequence may read blocks another sequence of the same batch is writing.
 
-1. :meth:`ModelRunner.prefill` gathers the K/V of the request's cache-hit blocks
-   (whole blocks, in block-table order) once into a per-request working cache,
-   runs the model over the uncached prompt suffix only, with positions
-   ``num_cached .. num_prompt - 1``, and writes the suffix's K/V into the
-   request's block slots;
-2. :meth:`ModelRunner.decode` runs one new token at the next position over the
-   same working cache (nothing is re-gathered) and writes that token's K/V into
-   its slot.
+Two forwards: :class:`~engine.model.llama.LlamaForward` (the Llama family, written
+out with fused projections) and the model's own transformers module graph with
+:func:`~engine.model.attention.transformers_attention` registered (any other
+architecture whose attention is plain causal attention).
 
-Invariants:
-
-* a working cache holds exactly the K/V of positions ``0 .. num_computed - 1`` of
-  its request, contiguous, in position order;
-* after every forward, every computed position's K/V is also in its block slot,
-  so blocks the KV cache manager caches hold exactly what a full pass computes.
+Batch invariance: a CPU matrix product's row results depend on how many rows it
+has (measured: 1, 2 or 3 rows round differently from 4 or more in float32), so the
+flattened batch and the rows whose logits are computed are padded to a multiple
+of :data:`~engine.model.attention.ROW_MULTIPLE`. Attention is computed per
+sequence (prefill chunks) or per group of single-token sequences with equally long
+block tables (decodes), with the same per-sequence shapes either way, so a token
+gets the same bits alone, in any batch, cached or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from engine.kvcache.block_hash import BlockHash
-from engine.model.attention import padded_length
+from engine.model import attention, llama
+from engine.model.attention import (
+    ROW_MULTIPLE,
+    AttentionBatch,
+    DecodeGroup,
+    SequenceSlice,
+    padded_length,
+)
 from engine.model.kv_storage import KVStorage
 
 
-class _WorkingLayer(DynamicLayer):
-    """One layer of a request's working cache, filled left to right so that appending a
-    token copies only that token.
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's work in a step: compute ``token_ids`` at positions ``start ..``.
 
-    Keys are stored transposed, ``[1, kv_heads, head_dim, capacity]``, values as
-    ``[1, kv_heads, capacity, head_dim]``: the two attention products then read both
-    operands in the layout the CPU GEMM kernels take without a copy (a transposed
-    key view costs ~30x more per product). :meth:`update` returns ``[1, kv_heads,
-    n, head_dim]`` views padded with zeros to :func:`padded_length` (see
-    :mod:`engine.model.attention`, which masks the padding by position).
+    ``block_ids`` is its block table and covers every position up to ``start +
+    len(token_ids)``; positions before ``start`` already have their K/V in those
+    blocks. ``sample``: return logits for its last token.
     """
 
-    def __init__(self, keys_t: torch.Tensor, values: torch.Tensor, length: int, fresh: bool) -> None:
-        """``fresh``: the buffers come from ``torch.empty`` and may hold non-finite
-        garbage past ``length`` (zeroed here); recycled buffers hold finite stale data."""
-        super().__init__()
-        capacity = values.shape[-2]
-        assert keys_t.shape[-1] == capacity == padded_length(capacity)
-        self._keys_t = keys_t
-        self._values = values
-        self.length = length
-        self.dtype, self.device = values.dtype, values.device
-        self.is_initialized = True
-        if fresh:
-            keys_t[..., length:].zero_()
-            values[:, :, length:].zero_()
-        self._expose()
-
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._keys_t, self._values
-
-    def _expose(self) -> None:
-        self.keys = self._keys_t[..., : self.length].transpose(-1, -2)
-        self.values = self._values[:, :, : self.length]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self._values.shape[-2]:
-            self._grow(end)
-        self._keys_t[..., start:end].copy_(key_states.transpose(-1, -2))
-        self._values[:, :, start:end].copy_(value_states)
-        self.length = end
-        self._expose()
-        padded = padded_length(end)
-        return self._keys_t[..., :padded].transpose(-1, -2), self._values[:, :, :padded]
-
-    def _grow(self, needed: int) -> None:
-        capacity = padded_length(max(needed, 2 * self._values.shape[-2]))
-        keys_t = self._keys_t.new_zeros((*self._keys_t.shape[:3], capacity))
-        values = self._values.new_zeros((*self._values.shape[:2], capacity, self._values.shape[-1]))
-        keys_t[..., : self.length].copy_(self._keys_t[..., : self.length])
-        values[:, :, : self.length].copy_(self._values[:, :, : self.length])
-        self._keys_t, self._values = keys_t, values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on; their stale (finite) K/V stay in the
-        buffers, where attention masks them exactly like zero padding."""
-        assert 0 <= length <= self.length
-        self.length = length
-        self._expose()
-
-    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``[start, end)``, ``[kv_heads, n, head_dim]`` views."""
-        return self._keys_t[0, :, :, start:end].transpose(-1, -2), self._values[0, :, start:end]
-
-
-class SequenceState:
-    """A request's working cache and how many of its tokens it covers."""
-
-    def __init__(self, cache: DynamicCache, num_computed: int) -> None:
-        self.cache = cache
-        self.num_computed = num_computed
-
-    def layer(self, i: int) -> _WorkingLayer:
-        layer = self.cache.layers[i]
-        assert isinstance(layer, _WorkingLayer)
-        return layer
+    token_ids: Sequence[int]
+    start: int
+    block_ids: Sequence[int]
+    sample: bool
 
 
 class ModelRunner:
-    """Executes forwards of a causal LM against a block-laid-out :class:`KVStorage`.
+    """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
-    It keeps at most one *spare* working cache: the one of the last request that
-    finished cleanly, named by the hashes of the full blocks it holds. A prefill
-    whose hit ends on one of those hashes takes the spare instead of gathering
-    from the blocks: the hash chain names the whole prefix (tokens, salt, extra
-    keys), so the spare holds exactly the K/V the hit blocks hold.
-    """
-
-    def __init__(self, model: Any, storage: KVStorage) -> None:
+    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None) -> None:
+        attention.check_supported(model.config)
         self.model = model
         self.storage = storage
-        self.num_layers = storage.layout.num_layers
-        self._spare: tuple[list[BlockHash], SequenceState] | None = None
-        self.num_spare_reuses = 0
+        self.lean = llama.supports(model) if lean is None else lean
+        self._llama: llama.LlamaForward | None = None
+        if self.lean:
+            self._llama = llama.LlamaForward(model)
+        else:
+            attention.install(model)
 
-    def retain(self, state: SequenceState, block_hashes: Sequence[BlockHash]) -> None:
-        """Keep ``state`` as the spare; ``block_hashes`` name its first full blocks."""
-        self._spare = (list(block_hashes), state) if block_hashes else None
-
-    def drop_spare(self) -> None:
-        """Forget the spare working cache (the next hit gathers from the blocks)."""
-        self._spare = None
-
-    def _take_spare(
-        self, hit_hashes: Sequence[BlockHash]
-    ) -> tuple[SequenceState | None, SequenceState | None]:
-        """(the spare as this request's state, or None; else the spare as scratch)."""
-        spare, self._spare = self._spare, None
-        if spare is None:
-            return None, None
-        hashes, state = spare
-        n = len(hit_hashes)
-        if n == 0 or len(hashes) < n or hashes[n - 1] != hit_hashes[-1]:
-            return None, state
-        num_cached = n * self.storage.layout.block_size
-        for i in range(self.num_layers):
-            state.layer(i).truncate(num_cached)
-        state.num_computed = num_cached
-        self.num_spare_reuses += 1
-        return state, None
-
-    @torch.inference_mode()
-    def prefill(
-        self,
-        token_ids: Sequence[int],
-        num_cached: int,
-        block_ids: Sequence[int],
-        capacity: int,
-        hit_hashes: Sequence[BlockHash] = (),
-    ) -> tuple[SequenceState, torch.Tensor]:
-        """Run ``token_ids[num_cached:]`` over the K/V of the first ``num_cached`` tokens.
-
-        ``num_cached`` must be a multiple of the block size (whole hit blocks, whose
-        hashes are ``hit_hashes``); the working cache is sized for ``capacity``
-        tokens (it grows if needed). Returns the request's state and the float32
-        logits of the last token.
-        """
-        bs = self.storage.layout.block_size
-        assert num_cached % bs == 0 and num_cached < len(token_ids), (num_cached, len(token_ids))
-        assert not hit_hashes or len(hit_hashes) * bs == num_cached
-        state, scratch = self._take_spare(hit_hashes)
-        if state is None:
-            cache = self._gather(block_ids[: num_cached // bs], num_cached, capacity, scratch)
-            state = SequenceState(cache, num_cached)
-        logits = self._forward(state, token_ids[num_cached:], block_ids)
-        return state, logits
-
-    @torch.inference_mode()
-    def decode(self, state: SequenceState, token_id: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Run one token at position ``state.num_computed``; returns its float32 logits."""
-        return self._forward(state, [token_id], block_ids)
-
-    def _gather(
-        self,
-        hit_block_ids: Sequence[int],
-        num_cached: int,
-        capacity: int,
-        scratch: SequenceState | None,
-    ) -> DynamicCache:
-        """A new working cache holding the hit blocks' K/V. Recycles ``scratch``'s
-        buffers when they are large enough: fresh memory costs a page fault per 4 KiB."""
-        layout = self.storage.layout
-        cap = padded_length(max(capacity, num_cached + 1))
-        ids = torch.tensor(hit_block_ids, dtype=torch.long)
-        layers: list[Any] = []
-        for i in range(self.num_layers):
-            recycled = scratch.layer(i).buffers() if scratch is not None else None
-            if recycled is not None and recycled[1].shape[-2] >= cap:
-                keys_t, values = recycled
+    def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
+        """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
+        row per sequence with ``sample`` set, in order."""
+        storage = self.storage
+        bs = storage.layout.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SequenceSlice] = []
+        decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
+        logit_rows: list[int] = []
+        for seq in sequences:
+            n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
+            if n < 1:
+                raise ValueError("a scheduled sequence must compute at least one token")
+            row = len(ids)
+            ids.extend(seq.token_ids)
+            positions.extend(range(seq.start, end))
+            slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
+            used = -(-end // bs)
+            table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
+            if n == 1:
+                decodes.setdefault(len(table), []).append((row, seq.start, table))
             else:
-                keys_t = torch.empty((1, layout.kv_heads, layout.head_dim, cap), dtype=layout.dtype)
-                values = torch.empty((1, layout.kv_heads, cap, layout.head_dim), dtype=layout.dtype)
-                recycled = None
-            if num_cached:
-                self.storage.read_blocks_into(
-                    i, ids, keys_t[0, :, :, :num_cached].transpose(-1, -2), values[0, :, :num_cached]
+                slices.append(SequenceSlice(row, n, seq.start, torch.tensor(table, dtype=torch.long)))
+            if seq.sample:
+                logit_rows.append(row + n - 1)
+        groups = [
+            DecodeGroup(
+                rows=torch.tensor([r for r, _, _ in members], dtype=torch.long),
+                positions=torch.tensor([p for _, p, _ in members], dtype=torch.long),
+                block_tables=torch.tensor([b for _, _, t in members for b in t], dtype=torch.long),
+                blocks_per_seq=length,
+            )
+            for length, members in decodes.items()
+        ]
+        num_logits = len(logit_rows)
+        pad = -len(ids) % ROW_MULTIPLE
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        slots.extend([storage.pad_slot] * pad)
+        logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % ROW_MULTIPLE or 0))
+        if not logit_rows:
+            logit_rows = [0] * ROW_MULTIPLE
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor(logit_rows, dtype=torch.long)
+        with torch.inference_mode():
+            if self._llama is not None:
+                logits = self._llama(input_ids, pos, batch, rows)
+            else:
+                out = self.model(
+                    input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
+                    logits_to_keep=rows, paged_batch=batch,
                 )
-            layers.append(_WorkingLayer(keys_t, values, num_cached, fresh=recycled is None))
-        cache = DynamicCache()
-        cache.layers = layers
-        cache.layer_class_to_replicate = None
-        return cache
-
-    def _forward(
-        self, state: SequenceState, new_token_ids: Sequence[int], block_ids: Sequence[int]
-    ) -> torch.Tensor:
-        start = state.num_computed
-        end = start + len(new_token_ids)
-        input_ids = torch.tensor([list(new_token_ids)], dtype=torch.long)
-        positions = torch.arange(start, end, dtype=torch.long).unsqueeze(0)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=state.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        slots = self.storage.slot_ids(block_ids, start, end)
-        for i in range(self.num_layers):
-            layer = state.layer(i)
-            assert layer.length == end, (layer.length, end)
-            keys, values = layer.span(start, end)
-            self.storage.write(i, slots, keys, values)
-        state.num_computed = end
-        logits: torch.Tensor = out.logits[0, -1].float()
-        return logits
+                logits = out.logits[0]
+            return logits[:num_logits].float()

@@ -24,12 +24,14 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.core.llm_engine import LLMEngine
 from engine.server import errors
+from engine.server.api_key import ApiKeyGuard
 from engine.server.errors import APIError
 from engine.server.request_handler import RequestHandler
 
@@ -61,8 +63,11 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: LLMEngine, *, allow_remote_images: bool = False,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """An ASGI app serving ``engine`` (already started; the caller owns its lifetime)."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> Starlette:
+    """An ASGI app serving ``engine`` (already started; the caller owns its lifetime).
+
+    With ``api_key`` every route but ``/health`` needs it as a bearer token
+    (:class:`~engine.server.api_key.ApiKeyGuard`)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
     handler = RequestHandler(engine, allow_remote_images=allow_remote_images,
@@ -78,7 +83,8 @@ def create_app(engine: LLMEngine, *, allow_remote_images: bool = False,
     handlers: dict[Any, Callable[..., Any]] = {
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    middleware = [Middleware(ApiKeyGuard, api_key=api_key)] if api_key is not None else []
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
     app.state.handler = handler
     return app
 
@@ -105,9 +111,10 @@ class _GracefulServer(uvicorn.Server):
 
 
 def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8001,
-               allow_remote_images: bool = False, log_level: str = "info") -> None:
+               allow_remote_images: bool = False, log_level: str = "info",
+               api_key: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then return; the caller shuts the engine down."""
-    app = create_app(engine, allow_remote_images=allow_remote_images)
+    app = create_app(engine, allow_remote_images=allow_remote_images, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     _GracefulServer(config).run()

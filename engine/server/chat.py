@@ -80,6 +80,7 @@ class ChatRenderer:
         self.template_has_tools = "tools" in source
         self.template_has_developer = "developer" in source
         self._lock = threading.Lock()
+        self.max_token_chars = max_token_chars(tokenizer)
 
     def render(self, messages: Sequence[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
@@ -174,6 +175,24 @@ class ChatRenderer:
             start = pos + 1
         expanded.extend(token_ids[start:])
         return ChatPrompt(expanded, tuple(items), tuple(images))
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for: its longest vocabulary entry.
+
+    Byte-level entries spell one byte per character and decode to at most as many
+    characters; added tokens are their text. So a text of ``c`` characters has at
+    least ``c / max_token_chars`` tokens, which lets a prompt be refused by its size
+    alone, before it is tokenized. A tokenizer with a normalizer (which may merge
+    characters) gets a factor 4 of slack; one without a vocabulary gives None (no bound).
+    """
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if not vocab:
+        return None
+    longest = max(len(str(entry)) for entry in vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 4 if backend is not None and getattr(backend, "normalizer", None) is not None else 1
+    return max(longest, 1) * slack
 
 
 def _template_source(tokenizer: Any) -> str:

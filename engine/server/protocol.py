@@ -21,7 +21,11 @@ Rules (each enforced in exactly one place below):
 * ``n`` is at most :data:`MAX_N`; chat ``top_logprobs`` needs ``logprobs: true``;
   completions' ``logprobs`` is the number of alternatives (0 to 20);
 * ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
-* ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set.
+* ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
+* JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
+  ``json_too_deep``) before anything walks it recursively: the chat template, the
+  tool renderer and JSON encoders would otherwise fail with a recursion error.
+  :func:`json_too_deep` is also the gateway's check, so both servers agree.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from engine.server.errors import context_length_exceeded, invalid_param, unsuppo
 from engine.server.structured_output import ResponseFormat, parse_response_format
 from engine.server.tool_calls import ToolChoice, check_tools, parse_tool_choice
 
+MAX_JSON_DEPTH = 128
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 NO_TOOLS = ToolChoice("none")
@@ -66,6 +71,21 @@ class GenerationBody:
     tool_choice: ToolChoice = NO_TOOLS
     response_format: ResponseFormat | None = None
     prompt: str | list[int] | None = None
+
+    def text_chars(self) -> int:
+        """Characters of prompt text the body carries (message contents, text parts, a string
+        prompt): a lower bound of what the tokenizer will see, counted without rendering."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        total = 0
+        for message in self.messages or ():
+            content = message.get("content")
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(part["text"]) for part in content
+                             if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return total
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Sampling parameters for a prompt of ``num_prompt_tokens``.
@@ -180,9 +200,40 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
     )
 
 
+def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``value`` nests objects/arrays more than ``limit`` levels deep.
+
+    ``{}`` and ``[]`` are one level, a scalar zero. Walks level by level without
+    recursion and stops as soon as the limit is passed, so a hostile body costs one
+    pass over its containers at most.
+    """
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    for _ in range(limit):
+        if not level:
+            return False
+        children: list[Any] = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            children.extend(item for item in items if isinstance(item, dict | list))
+        level = children
+    return bool(level)
+
+
+def too_deep_field(body: dict[str, Any]) -> str | None:
+    """The first field of ``body`` that takes the body past :data:`MAX_JSON_DEPTH` levels."""
+    for name, value in body.items():
+        if json_too_deep(value, MAX_JSON_DEPTH - 1):
+            return str(name)
+    return None
+
+
 def _require_object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_param("The request body must be a JSON object.", None, "invalid_json")
+    field = too_deep_field(body)
+    if field is not None:
+        raise invalid_param(f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep.", field,
+                            "json_too_deep")
     return body
 
 

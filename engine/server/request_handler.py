@@ -3,15 +3,16 @@
 Flow of one generation request (``POST /v1/chat/completions``, ``/v1/completions``
 or ``/v1/responses``):
 
-1. the body is read with a byte bound (413 past ``max_body_bytes``) and decoded
-   (400 for malformed JSON);
-2. in a worker thread (the event loop never tokenizes or touches torch), the body
-   is validated (:mod:`engine.server.protocol`; a Responses body is first
-   translated to chat by :mod:`engine.server.responses`), the model name checked
-   (404), the prompt rendered and tokenized (:mod:`engine.server.chat`) and its
-   length checked (400 ``context_length_exceeded``), and the output grammar, if
-   any, compiled (:mod:`engine.server.structured_output`, 400 ``invalid_schema``);
-   each of the ``n`` choices gets its own grammar state and seed (``seed + i``);
+1. the body is read with a byte bound (413 past ``max_body_bytes``);
+2. in a worker thread (the event loop never decodes JSON, tokenizes or touches
+   torch), the body is decoded (400 for malformed JSON), validated
+   (:mod:`engine.server.protocol`; a Responses body is first translated to chat by
+   :mod:`engine.server.responses`), the model name checked (404), a prompt too
+   long by its size alone refused (400), the prompt rendered and tokenized
+   (:mod:`engine.server.chat`) and its length checked (400
+   ``context_length_exceeded``), and the output grammar, if any, compiled
+   (:mod:`engine.server.structured_output`, 400 ``invalid_schema``); each of the
+   ``n`` choices gets its own grammar state and seed (``seed + i``);
 3. the choices are submitted to the engine (:class:`~engine.server.fanout.ChoiceFanout`:
    choice 0 first, the rest once its prompt is cached), whose own thread runs them;
 4. outputs are streamed as SSE (:class:`~engine.server.event_stream.EventStreamResponse`)
@@ -161,16 +162,20 @@ class RequestHandler:
 
     async def _admit(self, request: Request, kind: str) -> _Prepared:
         """Read, validate, tokenize and submit; every refusal is an APIError."""
-        raw = await self._read_json(request)
+        raw = await self._read_body(request)
         try:
             prepared = await run_in_threadpool(self._prepare, raw, kind)
             prepared.fanout.submit_first()
             return prepared
         except ValueError as exc:  # user input refused below protocol.py, naming its value
             raise errors.invalid_param(str(exc), None) from exc
+        except RecursionError as exc:  # caused by the body's shape, not by the engine
+            raise errors.invalid_param("The request is nested too deeply to render.", None,
+                                       "json_too_deep") from exc
         except RuntimeError as exc:  # submit() after the engine shut down
             raise errors.engine_unavailable(str(exc)) from exc
-    async def _read_json(self, request: Request) -> object:
+
+    async def _read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise errors.body_too_large(self.max_body_bytes)
@@ -185,13 +190,15 @@ class RequestHandler:
         except ClientDisconnect as exc:  # nobody is left to answer; no stack trace either
             raise errors.APIError(400, "The client disconnected while sending the body.",
                                   code="client_disconnected") from exc
+        return b"".join(chunks)
+
+    def _prepare(self, content: bytes, kind: str) -> _Prepared:
+        """Decode, validate, render and tokenize (runs in a worker thread: a body of
+        megabytes is decoded off the event loop too)."""
         try:
-            return orjson.loads(b"".join(chunks))
+            raw = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise errors.malformed_json(str(exc)) from exc
-
-    def _prepare(self, raw: object, kind: str) -> _Prepared:
-        """Validate, render, tokenize and compile the grammar (runs in a worker thread)."""
         try:
             return self._prepare_kind(raw, kind)
         except APIError as exc:
@@ -206,6 +213,7 @@ class RequestHandler:
             body = parse_chat_body(to_chat_body(raw) if kind == "responses" else raw, self.vocab_size)
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
+        self._refuse_by_size(body)
         mm_items: tuple[Any, ...] = ()
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
@@ -259,6 +267,24 @@ class RequestHandler:
     def _token_text(self, token_id: int) -> str:
         with self._token_text_lock:
             return str(self.engine.tokenizer.decode([token_id]))
+
+    def _refuse_by_size(self, body: GenerationBody) -> None:
+        """A prompt whose text alone cannot fit in the context is refused before it is
+        rendered or tokenized (each token stands for at most ``max_token_chars``
+        characters), so an oversized request costs no tokenizer time and never holds
+        the tokenizer's lock while other requests wait for it."""
+        per_token = self.renderer.max_token_chars
+        if per_token is None:
+            return
+        chars = body.text_chars()
+        most_tokens_fit = self.engine.max_model_len - 1
+        if chars > most_tokens_fit * per_token:
+            raise errors.context_length_exceeded(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; the prompt "
+                f"has {chars} characters, more than {most_tokens_fit} tokens can hold (one token covers "
+                f"at most {per_token} characters).",
+                "messages" if body.kind == "chat" else "prompt",
+            )
 
     async def _respond(self, prepared: _Prepared, arrival: float, receive: Receive) -> Response:
         tallies = [_Tally() for _ in range(prepared.body.n)]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 EPILOG = """examples:
   prefixgate db upgrade                      # ./.prefixgate/prefixgate.db to the newest schema
@@ -34,7 +37,18 @@ def resolve_db_url(args: argparse.Namespace) -> str:
     return str(args.db_url or default_db_url(args.data_dir or default_data_dir()))
 
 
-def open_existing(url: str) -> Any:
+def existing_sqlite_file(url: str) -> None:
+    """``ValueError`` (one line) when ``url`` names a SQLite file that does not exist."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(str(parsed.database))
+        if not path.is_file():
+            raise ValueError(f"no stats database at {path} (check --data-dir / --db-url; the gateway creates it)")
+
+
+def open_existing(url: str) -> Engine:
     """A read-only SQLAlchemy engine on an existing stats database (never creates one).
 
     ``ValueError`` (one line) when the SQLite file does not exist or holds no
@@ -44,12 +58,10 @@ def open_existing(url: str) -> Any:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
+    existing_sqlite_file(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        path = Path(str(parsed.database))
-        if not path.is_file():
-            raise ValueError(f"no stats database at {path} (check --data-dir / --db-url; the gateway creates it)")
-        url = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+        url = f"sqlite:///file:{Path(str(parsed.database)).resolve()}?mode=ro&uri=true"
     engine = create_engine(url)
     try:
         found = inspect(engine).has_table("request_log")
@@ -65,15 +77,22 @@ def open_existing(url: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from alembic.util.exc import CommandError
+
     from gateway import database
 
     url = resolve_db_url(args)
-    if args.action == "upgrade":
-        database.upgrade(url, args.revision or "head")
-    elif args.action == "downgrade":
-        if args.revision is None:
-            print("prefixgate db downgrade: error: give a revision (e.g. 'base' or '-1')", file=sys.stderr)
-            return 2
-        database.downgrade(url, args.revision)
+    try:
+        if args.action == "downgrade" and args.revision is None:
+            raise ValueError("give a revision to downgrade to (e.g. 'base' or '-1')")
+        if args.action != "upgrade":  # only an upgrade may create the database
+            existing_sqlite_file(url)
+        if args.action == "upgrade":
+            database.upgrade(url, args.revision or "head")
+        elif args.action == "downgrade":
+            database.downgrade(url, args.revision)
+    except (ValueError, CommandError) as exc:  # CommandError: an unknown revision
+        print(f"prefixgate db {args.action}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
     print(f"{url}: revision {database.current_revision(url) or 'base (empty)'}")
     return 0

@@ -10,7 +10,7 @@ from gateway.launcher import add_common_options
 from gateway.replica_spec import add_routing_options
 
 EPILOG = """examples:
-  prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000
+  prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000 --workers 2
   prefixgate gateway --upstream http://127.0.0.1:8001,events=tcp://127.0.0.1:5557 \
                      --upstream http://127.0.0.1:8002,events=tcp://127.0.0.1:5567   # see docs/routing.md
   # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
@@ -35,6 +35,10 @@ def add_parser(subparsers: Any) -> None:
         help="vllm: send cache_salt (vLLM, SGLang, prefixgate engine); openai: send a derived "
         "prompt_cache_key instead (OpenAI's API). Default: openai for api.openai.com, else vllm",
     )
+    parser.add_argument(
+        "--workers", type=_positive, default=None,
+        help="worker processes sharing the port, stats, metrics and warning history (default: the number of cores)",
+    )
     add_common_options(parser)
     add_routing_options(parser)
     parser.set_defaults(func=run)
@@ -47,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.launcher import build_settings, fail, run_gateway
     from gateway.ports import ensure_free
     from gateway.replica_spec import parse_upstream_arg
+    from gateway.supervisor import default_workers
     from gateway.upstream_kind import API_KEY_ENV, resolve_kind
 
     try:
@@ -60,7 +65,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     settings = dataclasses.replace(settings, upstream_kind=kind, upstream_api_key=api_key)
+    workers = args.workers if args.workers is not None else default_workers()
     # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.
     with contextlib.suppress(KeyboardInterrupt):
-        run_gateway(settings, args.host, args.port, args.log_level)
+        return run_gateway(settings, args.host, args.port, args.log_level, workers)
     return 0
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)

@@ -6,9 +6,11 @@ import argparse
 from typing import Any
 
 from gateway.launcher import add_common_options
+from gateway.replica_spec import add_routing_options
 
-EPILOG = """example:
+EPILOG = """examples:
   prefixgate serve --port 8000 --engine-port 8001
+  prefixgate serve --replicas 3 --engine-arg=--kv-cache-memory=0.05   # engines on 8001-8003
   # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
 """
 
@@ -18,7 +20,8 @@ def add_parser(subparsers: Any) -> None:
         "serve",
         help="start the bundled engine and the gateway in front of it",
         description="Start 'prefixgate engine' as a child process, wait until it is healthy, "
-        "then run the gateway in front of it. Ctrl-C stops both.",
+        "then run the gateway in front of it. Ctrl-C stops both. The engine answers only the "
+        "gateway: it gets a random API key for this run, which only the gateway is given.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -32,6 +35,12 @@ def add_parser(subparsers: Any) -> None:
         "--engine-arg", action="append", default=[], metavar="ARG",
         help="extra argument for 'prefixgate engine' (repeatable), e.g. --engine-arg=--dtype=float32",
     )
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="engines to start on consecutive ports from --engine-port, routed by "
+                        "their KV events (default 1; see docs/routing.md)")
+    parser.add_argument("--kv-events-port", type=int, default=5557,
+                        help="first loopback port of the replicas' KV events (2 per replica, default 5557)")
+    add_routing_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -40,23 +49,32 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
     import logging
     import os
+    import secrets
     import signal
 
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
     from gateway.ports import ensure_free
+    from gateway.replica_spec import local_replicas
 
-    engine = EngineProcess(args.engine_port, args.engine_arg)
     try:
+        api_key = secrets.token_urlsafe(32)
         # Both ports before anything starts: a port taken by another engine would
         # otherwise answer our health check, and the gateway would die later.
-        if args.engine_port == args.port:
-            raise ValueError(f"--engine-port and --port are both {args.port}: give them different ports")
+        replicas = local_replicas(args.replicas, args.engine_port, args.kv_events_port)
+        engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra], api_key=api_key)
+                   for i, (extra, _) in enumerate(replicas)]
+        if args.port in range(args.engine_port, args.engine_port + len(engines)):
+            raise ValueError(f"--port {args.port} is one of the engines' ports: give them different ports")
         ensure_free(args.host, args.port, "gateway")
-        ensure_free(engine.host, args.engine_port, "engine")
-        settings = build_settings(args, engine.url)
+        for engine in engines:
+            ensure_free(engine.host, engine.port, "engine")
+        # The engines get one random per-run key; only the gateway holds it (engine_process.py).
+        settings = dataclasses.replace(build_settings(args, engines[0].url, [spec for _, spec in replicas]),
+                                       upstream_api_key=api_key)
     except ValueError as exc:
         return fail(str(exc))
     log = logging.getLogger("prefixgate.serve")
@@ -64,21 +82,28 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (docker stop) behaves like Ctrl-C: uvicorn shuts down gracefully, re-raises
     # the signal, and the KeyboardInterrupt lands here so the engine is stopped too.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    log.info("starting the engine: %s", " ".join(engine.command))
+    for engine in engines:
+        log.info("starting the engine: %s", " ".join(engine.command))
     engine_died: list[int] = []
 
     def on_engine_exit(status: int) -> None:
         if status == 0:  # a clean exit: the engine got Ctrl-C with us (same process group)
             return
         engine_died.append(status)
+        if len(engine_died) < len(engines):  # the gateway routes around a dead replica
+            log.error("an engine exited with status %s; %d left", status, len(engines) - len(engine_died))
+            return
         log.error("the engine exited with status %s; stopping the gateway", status)
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully (stats flushed)
 
     try:
-        engine.start()
-        engine.wait_healthy(args.engine_timeout)
-        engine.watch(on_engine_exit)
-        log.info("engine healthy at %s; starting the gateway on %s:%d", engine.url, args.host, args.port)
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy(args.engine_timeout)
+            engine.watch(on_engine_exit)
+        log.info("engine healthy at %s; starting the gateway on %s:%d",
+                 ", ".join(engine.url for engine in engines), args.host, args.port)
         run_gateway(settings, args.host, args.port, args.log_level)
         return 1 if engine_died else 0
     except EngineStartError as exc:
@@ -88,5 +113,6 @@ def run(args: argparse.Namespace) -> int:
         return 1 if engine_died else 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # no interrupt in the middle of stopping
-        code = engine.stop()
-        log.info("engine stopped (exit status %s)", code)
+        for engine in engines:
+            code = engine.stop()
+            log.info("engine stopped (exit status %s)", code)

@@ -10,6 +10,7 @@ from typing import Any
 EPILOG = """examples:
   prefixgate stats
   prefixgate stats --data-dir /var/lib/prefixgate --since 2026-11-22T00:00 --format json
+  prefixgate stats --by replica     # hits per replica, predicted vs reported cached tokens
 """
 
 
@@ -24,6 +25,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--db-url", default=None, help="SQLAlchemy URL (overrides --data-dir)")
     parser.add_argument("--since", default=None, help="only rows at or after this UTC time (ISO 8601)")
     parser.add_argument("--format", choices=["text", "json"], default="text")
+    parser.add_argument("--by", choices=["tenant", "replica"], default="tenant",
+                        help="group per tenant, model and hour (default), or per replica")
     parser.set_defaults(func=run)
 
 
@@ -46,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     try:
+        if args.by == "replica":
+            return _print_replicas(engine, since, args.format)
         groups = per_tenant_model_hour(engine, since)
     finally:
         engine.dispose()
@@ -65,3 +70,19 @@ def run(args: argparse.Namespace) -> int:
 def _fail(message: str) -> int:
     print(f"prefixgate stats: error: {message}", file=sys.stderr)
     return 2
+
+
+def _print_replicas(engine: Any, since: Any, output: str) -> int:
+    import orjson
+
+    from gateway.stats_report import format_replica_table, per_replica
+
+    groups = per_replica(engine, since)
+    if output == "json":
+        print(orjson.dumps([{"replica": name, **stats.to_dict()} for name, stats in groups.items()],
+                           option=orjson.OPT_INDENT_2).decode())
+    elif not groups:
+        print("no requests recorded yet")
+    else:
+        print(format_replica_table(groups))
+    return 0

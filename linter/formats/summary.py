@@ -50,10 +50,14 @@ def _per_rule(report: LintReport) -> list[dict[str, Any]]:
     for code, lost in per_rule_losses(report).items():
         gain = gains.get(code)
         row: dict[str, Any] = {"code": code, "tokens_lost": lost}
+        count, unrepaired_lost = report.unrepaired.get(code, (0, 0))
         if gain is not None and gain.applies:
             row.update(hit_rate_after=round(gain.hit_rate_after, 6), tokens_gained=gain.tokens_gained, fix="applied")
         else:
             row.update(hit_rate_after=None, tokens_gained=None, fix="does not apply" if gain is not None else "none")
+        if gain is not None:
+            row["not_repaired"] = {"findings": count, "tokens_lost": unrepaired_lost}
+            row["tokens_gained_without_finding"] = report.gained_elsewhere.get(code, 0)
         rows.append(row)
     return rows
 

@@ -50,15 +50,27 @@ def _table(report: LintReport) -> list[str]:
     gains = {gain.code: gain for gain in est.per_rule}
     for code, lost in per_rule_losses(report).items():
         gain = gains.get(code)
+        count, unrepaired = report.unrepaired.get(code, (0, 0))
+        notes = []
+        if report.gained_elsewhere.get(code):
+            notes.append(f"{report.gained_elsewhere[code]:+} on requests without a finding")
+        if count:
+            notes.append(f"the fix does not repair {count} finding(s) losing {unrepaired} tokens")
+        if gain is not None and gain.applies and gain.tokens_gained == 0 and not count:
+            notes.append("the fix applies, but no request of this log reuses what it changes")
+        note = f"  ({'; '.join(notes)})" if notes else ""
         if gain is not None and gain.applies:
             lines.append(
-                f"  {code + ' fixed':<22} {_pct(gain.hit_rate_after):>8} {gain.cached_tokens_after:>14} {gain.tokens_gained:>+10}"
+                f"  {code + ' fixed':<22} {_pct(gain.hit_rate_after):>8} {gain.cached_tokens_after:>14} {gain.tokens_gained:>+10}{note}"
             )
         else:
             why = "fix does not apply to these findings" if gain is not None else "no automatic fix"
             lines.append(f"  {code:<22} {why}; its findings lose {lost} tokens")
     total_gain = est.cached_tokens_after_fixes - est.cached_tokens
-    lines.append(f"  {'all fixes':<22} {_pct(est.hit_rate_after_fixes):>8} {est.cached_tokens_after_fixes:>14} {total_gain:>+10}")
+    if any(gain.applies for gain in est.per_rule):
+        lines.append(f"  {'all fixes':<22} {_pct(est.hit_rate_after_fixes):>8} {est.cached_tokens_after_fixes:>14} {total_gain:>+10}")
+    elif per_rule_losses(report):
+        lines.append(f"  {'all fixes':<22} no automatic fix applies to these findings")
     return lines
 
 

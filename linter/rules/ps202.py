@@ -14,29 +14,14 @@ Better
     (tools = sorted(ALL_TOOLS, key=lambda t: t["function"]["name"])) and restrict
     use with tool_choice or instructions rather than by removing tools.
 
-Fix used by the estimate: tools sorted by function name.
+Fix used by the estimate: each request sends a tool set in the order the log
+first sent that set (one order per tool set, e.g. sorted by name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from linter import chat_request
-from linter.rule import Body, Rule
-
-
-def fix(body: Body) -> Body:
-    tools = body.get("tools")
-    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-        return body
-    ordered = sorted(tools, key=chat_request.tool_name)
-    if all(a is b for a, b in zip(ordered, tools, strict=True)):
-        return body
-    fixed: dict[str, Any] = dict(body)
-    fixed["tools"] = ordered
-    return fixed
-
+from linter.first_seen import FirstToolOrder
+from linter.rule import Rule
 
 RULE = Rule(
     code="PS202",
@@ -45,6 +30,6 @@ RULE = Rule(
     scope="corpus",
     summary="Tool order, tool set or a tool definition changed between related requests",
     doc=__doc__ or "",
-    fix=fix,
+    fix=FirstToolOrder(),
     fix_everywhere=True,
 )

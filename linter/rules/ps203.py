@@ -16,18 +16,14 @@ Better
     separators=(",", ":"))) and send back tool calls exactly as the model
     produced them.
 
-Fix used by the estimate: canonical JSON for tools, response_format and arguments.
+Fix used by the estimate: equal tools, response_format and arguments spelled
+the way the log first spelled them (one spelling per value, e.g. canonical JSON).
 """
 
 from __future__ import annotations
 
-from linter.canonical_json import canonicalize_body
-from linter.rule import Body, Rule
-
-
-def fix(body: Body) -> Body:
-    return canonicalize_body(body)
-
+from linter.first_seen import FirstJsonSpelling
+from linter.rule import Rule
 
 RULE = Rule(
     code="PS203",
@@ -36,6 +32,6 @@ RULE = Rule(
     scope="corpus",
     summary="Equal JSON (tools, response_format, arguments) re-serialized differently",
     doc=__doc__ or "",
-    fix=fix,
+    fix=FirstJsonSpelling(),
     fix_everywhere=True,
 )

@@ -14,12 +14,17 @@ Better
     One tool definition for everyone ("List the current customer's orders"),
     with the user identified in the conversation or by the tool's backend.
 
-Default rule. Detected: an f-string, ``.format``, ``%`` or concatenation with a
-name that mentions user, customer, account, tenant, member, email or profile,
-inside a tool definition (a dict with ``"type": "function"`` or ``parameters``,
-a ``tools=`` argument or ``tools`` variable, a tool constructor's
-``description=``). What a tool *returns* is a tool result in the history, not
-its definition, and is not reported.
+Default rule. Detected: user-specific data read inside a tool definition (in an
+f-string, a concatenation, ``.format``, an ``enum``, a filter of the tool list),
+directly or through assignments: a name whose root is ``user``, ``customer``,
+``account``, ``tenant``, ``member`` or ``email`` (``user.name``,
+``account_id``, ``self.customer.plan``, ``current_user``; not constants, not
+``tool.user_location``, not tool functions named ``get_user``). Tool
+definitions are dicts with ``"type": "function"`` or ``parameters``, ``tools=``
+arguments and ``tools`` variables, and a tool constructor's ``description=``.
+What a tool *returns* is a tool result in the history, not its definition, and
+a tool factory given user data (``make_tool(directory=customers)``) still
+defines one tool for everyone: neither is reported.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ Why it matters
     prompt and appends to it. ``history[-10:]`` keeps a sliding window: every
     turn drops the oldest message, so everything after the system prompt moves
     and is recomputed on every turn. Deleting or inserting in the middle
-    (``del history[1]``, ``history.pop(0)``, ``history.insert(1, ...)``) does the
-    same.
+    (``del history[1]``, ``history.pop(1)``) does the same.
 
 Anti-pattern
     def get_messages(self, limit: int) -> list[dict]:
@@ -16,14 +15,17 @@ Better
     Append only; when the context is full, compact once (replace many old turns
     with a summary in one step) and then keep appending, so most turns hit the cache.
 
-Default rule. Detected: a slice whose start is negative or computed
-(``[-10:]``, ``[-limit:]``, ``[len(x) - n:]``; a fixed start such as ``[1:]`` is
-stable) whose result reaches a request's history: a ``messages=`` argument, a
+Default rule. Detected: a slice that keeps the last N turns (``[-10:]``,
+``[-limit:]``, ``[len(x) - n:]``; not ``[-1:]``, the last message, and not a
+start computed otherwise, such as the index where a run's new messages begin)
+of a list named for messages, history, turns, items or a session, whose result
+reaches a request's history: a ``messages=`` (or ``input=``) argument, a
 ``messages``/``history`` variable or attribute, the return of a function named
-for messages or history or of a session/memory class's method; and ``del``,
-``pop(i)``, ``insert`` and ``remove`` on a history list that is sent or stored.
-Slices in tests, analysis and display code that never reach a request are not
-reported.
+for messages or history or of a session/memory class's ``get_items``-style
+method; and ``del``, ``pop(i)`` and ``remove`` on the object's own history
+(``self.messages``) or on a list that is then sent. Building a request
+(``insert(0, system)``), compacting once, and slices in tests, analysis and
+display code are not reported.
 """
 
 from __future__ import annotations

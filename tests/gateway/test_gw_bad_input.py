@@ -10,9 +10,16 @@ from gw_fakes import gateway_client, make_settings, rows
 
 from gateway.api_key import hash_key
 
-CONFIG = {"server": {"max_body_bytes": 4096}, "tenants": {"alpha": {"keys": [hash_key("k")]}}}
+CONFIG = {"server": {"max_body_bytes": 8192}, "tenants": {"alpha": {"keys": [hash_key("k")]}}}
 HEADERS = {"authorization": "Bearer k", "content-type": "application/json"}
 MESSAGES = [{"role": "user", "content": "hi"}]
+
+def _nested_tools(depth: int) -> bytes:
+    """A chat body whose first tool's parameters nest ``depth`` objects deep."""
+    parameters = b'{"a": ' * depth + b"1" + b"}" * depth
+    return (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f", "parameters": ' + parameters + b"}}]}")
+
 
 CASES = [
     ("not json", b"{\"model\": ", 400, None),
@@ -30,7 +37,14 @@ CASES = [
     ("salt long", b'{"model": "m", "messages": [{"role": "user"}], "cache_salt": "' + b"s" * 1025 + b'"}',
      400, "cache_salt"),
     ("utf8", b'{"model": "\xff\xfe", "messages": []}', 400, None),
-    ("oversized", b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
+    ("utf8 in content", b'{"model": "m", "messages": [{"role": "user", "content": "a\xc3"}]}', 400, None),
+    ("lone surrogate", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("huge number", b'{"model": "m", "messages": [{"role": "user"}], "temperature": 1e400}', 400, None),
+    *[(f"tools {depth} deep", _nested_tools(depth), 400, "tools") for depth in (130, 254, 300, 1000)],
+    ("messages 260 deep", b'{"model": "m", "messages": [{"role": "user", "content": '
+     + b"[" * 260 + b"]" * 260 + b"}]}", 400, "messages"),
+    ("body 1100 deep", b'{"model": "m", "x": ' + b"[" * 1100 + b"]" * 1100 + b"}", 400, None),
+    ("oversized", b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 9000 + b'"}]}',
      413, None),
 ]
 

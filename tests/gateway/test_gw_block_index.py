@@ -85,6 +85,7 @@ class FakeReplica:
         self.index = ReplicaIndex(has_events=has_events)
         self.healthy = True
         self.in_flight = 0
+        self.queued_prefill = 0
         self.last_chosen = 0
 
 
@@ -93,14 +94,18 @@ def test_router_prefers_the_cached_prefix_until_its_queue_costs_more() -> None:
     request = keys_of(tokens, "t")
     a, b = FakeReplica("a"), FakeReplica("b")
     a.index.stored(engine_ids(tokens[:64], "t"), None, tokens[:64], BS, [("t",)] + [None] * 15)
-    router = Router(load_cost_tokens=20)
+    router = Router(load_cost_tokens=10, miss_weight=1.0)
     choice = router.choose([b, a], request)
     assert choice is not None and choice.replica is a and choice.predicted_cached_tokens == 64
-    a.in_flight = 3  # 3 x 20 = 60 tokens of queue < 64 tokens of prefill saved
+    assert choice.prefill_tokens == 1
+    a.in_flight, a.queued_prefill = 3, 3  # three cheap hits queued: 1 + 3 + 30 = 34 < 65 on b
     assert router.choose([b, a], request).replica is a  # type: ignore[union-attr]
-    a.in_flight = 4  # 80 > 64: recomputing on the idle replica is cheaper
+    a.queued_prefill = 40  # a cold request queued: 1 + 40 + 30 = 71 > 65, recompute on b
     choice = router.choose([b, a], request)
     assert choice is not None and choice.replica is b and choice.predicted_cached_tokens == 0
+    assert choice.prefill_tokens == 65
+    assert Router(load_cost_tokens=10, miss_weight=2.0).choose([b, a], request).replica is a  # type: ignore[union-attr]
+    a.in_flight = a.queued_prefill = 0
     a.healthy = False
     a.in_flight = 0
     assert router.choose([a, b], request).replica is b  # type: ignore[union-attr]

@@ -158,3 +158,24 @@ def test_switches_are_independent():
     result, steps = canonicalize(body, only_parts)
     assert steps == ["content.single_text_part"]
     assert result["tools"] == body["tools"] and list(result["tools"][0]) == ["function", "type"]
+
+
+def test_values_orjson_cannot_reencode_are_left_as_sent():
+    """orjson encodes at most 254 levels: deeper arguments or tools stay as sent, no exception."""
+    deep_arguments = "[" * 600 + "]" * 600  # parses (orjson reads 1,024 levels), cannot be re-encoded
+    deep_tool: dict = {}
+    node = deep_tool
+    for _ in range(300):
+        node["b"] = {}
+        node = node["b"]
+    body = {
+        "model": "m",
+        "tools": [{"function": {"parameters": deep_tool, "name": "f"}, "type": "function"}],
+        "messages": [
+            {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": deep_arguments}}]},
+        ],
+    }
+    result, steps = canonicalize(body, ALL)
+    assert steps == []
+    assert result["tools"] is body["tools"]
+    assert result["messages"][0]["tool_calls"][0]["function"]["arguments"] == deep_arguments

@@ -109,6 +109,19 @@ def test_stats_with_a_wrong_data_dir_creates_nothing(tmp_path):
     assert not typo.exists()
 
 
+def test_db_current_and_downgrade_never_create_a_database(tmp_path):
+    typo = tmp_path / "typo"
+    assert_usage_error(prefixgate("db", "current", "--data-dir", str(typo)), "no stats database")
+    assert_usage_error(prefixgate("db", "downgrade", "base", "--data-dir", str(typo)), "no stats database")
+    assert not typo.exists()
+
+
+def test_db_with_an_unknown_revision_is_one_line(tmp_path):
+    done = prefixgate("db", "upgrade", "no-such-revision", "--data-dir", str(tmp_path))
+    assert_usage_error(done, "prefixgate db upgrade", "no-such-revision")
+    assert_usage_error(prefixgate("db", "downgrade", "--data-dir", str(tmp_path / "x")), "give a revision")
+
+
 def test_stats_on_a_file_that_is_not_a_stats_database(tmp_path):
     other = tmp_path / "other.db"
     import sqlite3

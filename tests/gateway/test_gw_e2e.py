@@ -75,7 +75,7 @@ def server(tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, name="prefixgate serve", timeout=900, interval=0.5)
-    yield url, data
+    yield url, data, engine_port
     process.send_signal(signal.SIGINT)
     try:
         assert process.wait(120) == 0
@@ -190,3 +190,23 @@ def test_readme_snippet_shows_cached_tokens_on_the_second_call(server):
     (_, first_cached), (second_prompt, second_cached) = counts
     assert first_cached == 0
     assert second_cached >= 96 and second_cached < second_prompt
+
+
+def test_the_engine_port_answers_only_the_gateway(server):
+    """`serve` gives its engine a per-run key: the engine's own port refuses everyone else."""
+    engine = f"http://127.0.0.1:{server[2]}"
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"authorization": "Bearer anything"}, {"authorization": f"Bearer {KEYS['alpha']}"}):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            refused = httpx.post(engine + path, json={**body, "prompt": "hi"}, headers=headers, timeout=30)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(engine + "/v1/models", headers=headers, timeout=30).status_code == 401
+        assert httpx.get(engine + "/metrics", headers=headers, timeout=30).status_code == 401
+    assert httpx.get(engine + "/health", timeout=30).status_code == 200
+    sdk = openai.OpenAI(base_url=engine + "/v1", api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        sdk.chat.completions.create(**body)
+    # ...while the gateway in front of it serves the tenant.
+    answer = client(server, "alpha").chat.completions.create(**body)
+    assert answer.usage.completion_tokens == 1

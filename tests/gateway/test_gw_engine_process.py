@@ -46,3 +46,19 @@ def test_watch_reports_an_unexpected_exit_but_not_a_stop():
     quiet.watch(calls.append)
     quiet.stop(grace_s=10)
     assert calls == []
+
+
+def test_each_run_draws_a_key_given_to_the_child_in_its_environment_only(tmp_path):
+    out = tmp_path / "env"
+    engine = process_running(
+        f"import os, pathlib; pathlib.Path({str(out)!r}).write_text(os.environ['PREFIXGATE_ENGINE_API_KEY'])")
+    assert engine.process.wait(60) == 0
+    assert out.read_text() == engine.api_key and len(engine.api_key) >= 43  # 256 bits, url-safe
+    assert engine.api_key not in " ".join(engine.command)
+    assert EngineProcess(free_port()).api_key != engine.api_key
+
+
+@pytest.mark.parametrize("arg", ["--api-key=mine", "--api-key"])
+def test_an_engine_key_of_ones_own_is_refused(arg):
+    with pytest.raises(ValueError, match="per run"):
+        EngineProcess(free_port(), [arg])

@@ -114,6 +114,38 @@ def test_stream_without_done_is_an_upstream_error(tmp_path):
     assert rows(settings.db_url)[0].status == 502
 
 
+GOOD = b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "par"}}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (b"data: {not json\n\n", "not JSON"),
+        (b"data: [1, 2]\n\n", "not a JSON object"),
+        (b'data: {"error": {"message": "engine fell over", "type": "server_error"}}\n\n', "engine fell over"),
+        (b"data: " + b"x" * (9 * 1024 * 1024), "over"),  # an event that never ends
+    ],
+    ids=["not-json", "not-object", "error-event", "endless-event"],
+)
+def test_malformed_upstream_event_ends_the_stream_with_an_error_event_and_a_502_row(tmp_path, bad, says):
+    class Malformed(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield GOOD + bad
+            yield GOOD  # never relayed: the stream ended at the bad event
+            yield b"data: [DONE]\n\n"
+
+    settings, response = call(tmp_path, httpx.MockTransport(lambda r: httpx.Response(200, stream=Malformed())),
+                              {**CHAT, "stream": True})
+    assert response.status_code == 200  # headers were already sent
+    events = [e for e in response.text.split("\n\n") if e]
+    assert len(events) == 2 and orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
+    body = orjson.loads(events[1][6:])
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "upstream_error" and says in body["error"]["message"]
+    (row,) = rows(settings.db_url)
+    assert (row.status, row.error_code) == (502, "upstream_error")
+
+
 def wait_for(condition, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not condition():

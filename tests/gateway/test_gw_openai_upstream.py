@@ -213,3 +213,42 @@ def test_upstream_kind_is_validated():
     with pytest.raises(ValueError, match=r"server\.upstream_kind"):
         parse_config({"server": {"upstream_kind": "tgi"}})
     assert parse_config({"server": {"upstream_kind": "openai"}}).upstream_kind == "openai"
+
+
+def test_the_gateway_command_fronts_openai_over_real_http(tmp_path):
+    """``prefixgate gateway --upstream-kind openai`` as a process: the key from
+    $OPENAI_API_KEY, the derived prompt_cache_key, the official SDK on loopback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from gw_fakes import free_port, serve_in_thread, wait_healthy
+
+    fake = FakeOpenAI()
+    port = free_port()
+    with serve_in_thread(fake.app) as fake_url:
+        env = {**os.environ, "OPENAI_API_KEY": API_KEY, "PREFIXGATE_SECRET": SECRET.decode()}
+        env.pop("PREFIXGATE_UPSTREAM_API_KEY", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "gateway", "--upstream", fake_url + "/v1",
+             "--upstream-kind", "openai", "--data-dir", str(tmp_path), "--port", str(port)],
+            stderr=subprocess.PIPE, text=True, env=env,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, process, name="gateway")  # /health asks the fake's /v1/models
+            client = openai.OpenAI(base_url=url + "/v1", api_key="my-local-key", max_retries=0)
+            answer = client.chat.completions.create(**chat("When are you open?"),
+                                                    extra_body={"cache_salt": "ignored-upstream"})
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 0, stderr
+    assert answer.choices[0].message.content == "Hi."
+    (body,) = fake.bodies
+    assert "cache_salt" not in body and body["prompt_cache_key"].startswith("pg-")
+    assert API_KEY not in stderr  # the upstream key is never logged
+    assert set(fake.authorizations) == {f"Bearer {API_KEY}"}

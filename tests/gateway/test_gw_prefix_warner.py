@@ -86,3 +86,16 @@ def test_a_failing_linter_never_fails_the_request(monkeypatch):
     assert warner.check("t", body, body, body_size=1) == []
     assert warner.check("t", body, body, body_size=1) == []
     assert linter.api.check_request is not boom
+
+
+def test_a_shared_prompt_cache_key_does_not_tie_unrelated_chats():
+    hello = "Hello! I can help with invoices, refunds, payment methods and plan changes. What do you need today?"
+    hey = "Hey. Ask me anything about your bill, your plan or a refund and I will look it up for you right away."
+    bodies = [turn("hi", hello, "Balance?"), turn("hi", hey, "Refund?")]
+    for header, expected in ((None, []), ("thread-9", ["PS204"])):  # the same two bodies under one explicit id
+        warner = PrefixWarner()
+        codes = []
+        for body in bodies:
+            body = {**body, "prompt_cache_key": "billing-app"}
+            codes += [w.code for w in warner.check("t", body, body, body_size=10, conversation_header=header) if w.code.startswith("PS2")]
+        assert codes == expected

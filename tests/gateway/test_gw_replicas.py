@@ -28,8 +28,14 @@ async def _post_many(settings, n: int, stream: bool = False) -> list[httpx.Respo
     app = create_app(settings, httpx.AsyncClient(timeout=10))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            return [await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
-                                      headers={"authorization": "Bearer k"}) for _ in range(n)]
+            responses = [await client.post("/v1/chat/completions", json={**CHAT, "stream": stream},
+                                           headers={"authorization": "Bearer k"}) for _ in range(n)]
+            for response in responses:
+                await response.aread()
+        for replica in app.state.gateway.replicas.replicas:  # every route was released once
+            assert (replica.in_flight, replica.queued_prefill) == (0, 0), replica.name
+            assert replica.index.hit_blocks([b"x" * 32]) == 0
+        return responses
     finally:
         await app.state.gateway.aclose()
 
@@ -150,3 +156,35 @@ def test_gateway_health_is_ok_while_one_replica_is(tmp_path) -> None:
 
     with serve_in_thread(up.app) as url:
         assert asyncio.run(scenario(url)) == (200, 200)
+
+
+def test_a_replica_that_answers_badly_leaves_only_after_repeated_failures(tmp_path) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from gateway.replicas import FAILURES_TO_LEAVE
+
+    state = {"status": 503}
+
+    async def health(request):
+        return Response(status_code=state["status"])
+
+    app = Starlette(routes=[Route("/health", health)])
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            replicas = ReplicaSet([ReplicaSpec(url, "a"), ReplicaSpec(url, "b")], client, RoutingOptions(), keyer=None)
+            a = replicas.replicas[0]
+            a.index.routed([b"k" * 32])
+            for _ in range(FAILURES_TO_LEAVE - 1):
+                await replicas.check_health()
+                assert a.healthy and a.index.hit_blocks([b"k" * 32]) == 1  # a slow or busy engine keeps its place
+            await replicas.check_health()
+            assert not a.healthy
+            state["status"] = 200
+            await replicas.check_health()
+            assert a.healthy and a.failed_checks == 0
+
+    with serve_in_thread(app) as url:
+        asyncio.run(scenario(url))

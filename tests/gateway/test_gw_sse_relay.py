@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
+from gateway.errors import UpstreamError
 from gateway.request_record import RequestRecord
 from gateway.sse_relay import SseRelay
 
@@ -90,3 +92,19 @@ def test_spaced_json_from_other_upstreams_is_understood():
     assert relay.feed(content) == [content]  # untouched, not even parsed
     (out,) = relay.feed(final)
     assert orjson.loads(out[6:])["prefix_warnings"] == WARNINGS
+
+
+def test_a_malformed_event_stops_the_relay_after_the_events_before_it():
+    relay = SseRelay(RequestRecord("chat.completions", "u"), strip_usage=False, warnings=None)
+    good = event(chunk("a"))
+    assert relay.feed(good + b"data: {oops\n\n" + good) == [good]
+    assert relay.feed(good) == [] and relay.finish() == []
+    with pytest.raises(UpstreamError, match="not JSON"):
+        relay.raise_failure()
+
+
+def test_comments_and_events_without_data_are_forwarded():
+    relay = SseRelay(RequestRecord("chat.completions", "u"), strip_usage=False, warnings=None)
+    stream = b": ping\n\nevent: keepalive\n\n" + event(chunk("a")) + b"data: [DONE]\n\n"
+    assert b"".join(relay.feed(stream)) == stream
+    relay.raise_failure()

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linter.api import check_request, compare_requests, explain, rule_codes
+from linter.api import check_request, compare_requests, conversation_keys, explain, rule_codes
 from linter.finding import Finding
 from linter.registry import all_rules
 
@@ -82,6 +82,9 @@ def test_odd_input_never_raises(a, b):
     for finding in check_request(a):
         assert finding.code in all_rules()
     compare_requests(a, b)
+    for header in (None, "thread-1"):
+        keys = conversation_keys(a, header)
+        assert keys is None or keys.remember in keys.lookup
 
 
 def test_non_mapping_input_yields_nothing():
@@ -121,6 +124,9 @@ def test_structured_odd_input_never_raises_in_rules_fixes_or_comparisons(a, b):
     check_request(a)
     compare_requests(a, b)
     compare_requests(a, {**a, "messages": [*a["messages"], *b["messages"]]})
+    extended = conversation_keys({**a, "messages": [*a["messages"], *b["messages"]]})
+    if conversation_keys(a) is not None and extended is not None:
+        assert conversation_keys(a).remember in extended.lookup  # a longer list always extends its prefix
     for rule in all_rules().values():
         if rule.fix is not None:
             render(rule.fix(a))

@@ -175,3 +175,47 @@ def test_lint_imports_no_torch(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=300)
     assert json.loads((tmp_path / "o.json").read_text())["findings"]
+
+
+def test_opt_in_rules_are_added_with_extend_select(tmp_path, empty_config, capsys):
+    run_lint([REQUESTS, "--format", "json"], empty_config)
+    default = set(_codes(capsys))
+    assert default and not default & {"PS102", "PS103", "PS104", "PS105", "PS106"}
+    run_lint([REQUESTS, "--format", "json", "--extend-select", "PS104,PS106"], empty_config)
+    assert set(_codes(capsys)) == default | {"PS104", "PS106"}
+    config = write_config(tmp_path, 'extend-select = ["PS105"]\n')
+    run_lint([REQUESTS, "--format", "json"], config)
+    assert set(_codes(capsys)) == default | {"PS105"}
+    assert run_lint([REQUESTS, "--extend-select", "PS999"], empty_config) == 2
+
+
+def test_test_files_are_excluded_unless_configured(tmp_path, empty_config, capsys):
+    source = 'from datetime import datetime\n\n\ndef f():\n    return {"role": "system", "content": f"{datetime.now()}"}\n'
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "app.py").write_text(source)
+    (tmp_path / "src" / "tests").mkdir()
+    (tmp_path / "src" / "tests" / "test_app.py").write_text(source)
+    (tmp_path / "src" / "conftest.py").write_text(source)
+    run_lint([str(tmp_path / "src"), "--format", "json"], empty_config)
+    assert [f["path"].rsplit("/", 1)[-1] for f in json.loads(capsys.readouterr().out)["findings"]] == ["app.py"]
+    config = write_config(tmp_path, "exclude = []\n")
+    run_lint([str(tmp_path / "src"), "--format", "json"], config)
+    assert len(json.loads(capsys.readouterr().out)["findings"]) == 3
+    run_lint([str(tmp_path / "src" / "tests" / "test_app.py"), "--format", "json"], empty_config)
+    assert len(json.loads(capsys.readouterr().out)["findings"]) == 1  # named explicitly: always linted
+
+
+def test_the_table_never_prints_a_bare_zero_gain(empty_config, capsys):
+    run_lint([REQUESTS, "--select", "ALL", "--color", "never"], empty_config)
+    table = capsys.readouterr().out.split("Prefix-cache hit rate", 1)[1].splitlines()[3:]
+    assert any("no automatic fix" in row for row in table)
+    for row in table:
+        assert "+0" not in row.split() or "the fix applies, but" in row, row
+
+
+def test_too_deeply_nested_sources_are_skipped_and_reported(tmp_path, empty_config, capsys):
+    for terms in (700, 5000):  # analysis, then the parser itself, run out of recursion
+        path = tmp_path / f"deep{terms}.py"
+        path.write_text("def f():\n    system_prompt = " + " + ".join(['"a"'] * terms) + "\n    return system_prompt\n")
+        assert run_lint([str(path)], empty_config) == 0
+        assert "too deeply nested" in capsys.readouterr().out

@@ -60,3 +60,18 @@ def test_implicit_keys_follow_extensions_only_with_the_same_settings():
     with_tools = conversation_keys(chat("a", "b", "c", tools=[{"type": "function", "function": {"name": "f"}}]))
     assert turn1.remember not in with_tools.lookup
     assert conversation_keys(chat("a", user="u1")).remember != turn1.remember
+
+
+def test_a_shared_prompt_cache_key_reports_truncation_but_not_other_conversations(tmp_path):
+    key = {"prompt_cache_key": "support-app"}
+    hello = "Hello! We fix brakes, gears, wheels and e-bike motors. Tell me what is wrong with your bicycle today."
+    hey = "Hey there. Ask me about repairs, spare parts, opening hours or prices and I will answer right away."
+    chats = [chat("hi", hello, "Fix my brakes?", **key), chat("hi", hey, "New tyres?", **key)]
+    assert lint(tmp_path, chats) == []  # two conversations under one application-wide key
+    named = [{**body, "metadata": {"conversation_id": "one"}} for body in chats]
+    assert [f.code for f in lint(tmp_path, named)] == ["PS204"]  # the same bodies under one explicit id
+    long = chat("q1", "a1", "q2", "a2", "q3", "a3", "q4", **key)
+    window = {**long, "messages": [SYSTEM, *long["messages"][3:], {"role": "assistant", "content": "a4"}, {"role": "user", "content": "q5"}]}
+    (finding,) = lint(tmp_path, [long, window])
+    assert finding.code == "PS204" and "truncated" in finding.message
+    assert conversation_keys(long).shared and not conversation_keys(chat("x", metadata={"conversation_id": "c"})).shared

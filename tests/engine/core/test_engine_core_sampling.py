@@ -124,3 +124,14 @@ def test_stop_token_ids_and_eos_stop(bundled_tokenizer):
     assert detok.add(tok.eos_token_id) == "stop"
     detok = Detokenizer(tok, SamplingParams(ignore_eos=True), eos_token_ids={tok.eos_token_id})
     assert detok.add(tok.eos_token_id) is None
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-45, 1e-6])
+def test_temperatures_too_small_to_divide_by_are_greedy(temperature):
+    """Below 1e-5 sampling is greedy (as in vLLM); dividing by 1e-45 would give inf logits."""
+    logits = torch.tensor([1.0, 30.0, 29.0, -5.0])
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy
+    assert all(sample(logits, params, make_generator(params, 0)) == 1 for _ in range(5))
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert sample(logits, SamplingParams(temperature=1e-5), make_generator(SamplingParams(), 0)) == 1

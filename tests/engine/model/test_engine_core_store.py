@@ -102,22 +102,32 @@ def test_kv_storage_is_sized_from_memory_and_laid_out_by_block():
     assert layout.bytes_per_token == 2 * 2 * 3 * 4 * 4
     storage = KVStorage.from_memory(layout, 0.001)
     assert storage.num_blocks == int(0.001 * 1024**3) // (layout.bytes_per_token * 16)
-    assert storage.keys[0].shape == (storage.num_blocks, 16, 3, 4)
+    assert storage.keys_t[0].shape == (3, 4, storage.num_blocks + 1, 16)  # + the pad block
+    assert storage.values[0].shape == (3, storage.num_blocks + 1, 16, 4)
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         KVStorage.from_memory(layout, 1e-9)
 
 
-def test_kv_storage_writes_slots_and_reads_whole_blocks():
+def test_kv_storage_writes_slots_and_gathers_block_tables():
     layout = KVLayout(num_layers=1, kv_heads=2, head_dim=3, block_size=4, dtype=torch.float32)
     storage = KVStorage(layout, num_blocks=8)
     table = [5, 2, 7]  # positions 0-3 in block 5, 4-7 in block 2, 8-11 in block 7
-    keys = torch.arange(2 * 10 * 3, dtype=torch.float32).view(2, 10, 3)
+    keys = torch.arange(10 * 2 * 3, dtype=torch.float32).view(10, 2, 3)  # [tokens, heads, dim]
     slots = storage.slot_ids(table, 0, 10)
-    assert slots[:6].tolist() == [20, 21, 22, 23, 8, 9]
-    storage.write(0, slots, keys, -keys)
-    assert torch.equal(storage.keys[0][2, 1], keys[:, 5])
-    out_k, out_v = torch.empty(2, 8, 3), torch.empty(2, 8, 3)
-    storage.read_blocks_into(0, torch.tensor(table[:2]), out_k, out_v)
-    assert torch.equal(out_k, keys[:, :8]) and torch.equal(out_v, -keys[:, :8])
+    assert slots[:6] == [20, 21, 22, 23, 8, 9]
+    storage.write(0, torch.tensor(slots), keys, -keys)
+    assert torch.equal(storage.keys_t[0][:, :, 2, 1], keys[5])
+    keys_t, values = storage.gather(0, torch.tensor([*table[:2], storage.pad_block]))
+    assert keys_t.shape == (2, 3, 12) and keys_t.is_contiguous() and values.is_contiguous()
+    assert torch.equal(keys_t[:, :, :8], keys[:8].permute(1, 2, 0))
+    assert torch.equal(values[:, :8], -keys[:8].transpose(0, 1))
+    assert torch.equal(values[:, 8:], torch.zeros(2, 4, 3))  # the pad block
     with pytest.raises(ValueError, match="exceed"):
         storage.slot_ids(table, 0, 13)
+
+
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5])
+def test_batching_limits_are_validated(field, bad):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: bad})

@@ -5,11 +5,14 @@ raw httpx covers what the SDK cannot send (malformed JSON, oversized bodies).
 """
 
 import base64
+import json
 
 import httpx
 import openai
 import pytest
 from test_engine_http_fixtures import serve, wait_until
+
+from engine.server.errors import APIError
 
 
 @pytest.fixture
@@ -177,3 +180,71 @@ def test_a_client_leaving_mid_body_is_counted_as_a_client_error(live):
                      b"Content-Length: 1000\r\n\r\n{\"messages\": ")
     wait_until(lambda: client_errors() == 1, 30, "the abandoned upload to be counted")
     assert httpx.get(live.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("depth", [130, 254, 1000])
+def test_deeply_nested_tools_are_400_not_5xx(live, tiny_engine, depth):
+    """Tool parameters nested 1,000 deep used to fail rendering with a RecursionError (a 503)."""
+    parameters = b'{"a": ' * depth + b"1" + b"}" * depth  # raw: no Python encoder takes 1,000 levels
+    raw = (b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+           b'"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]}'
+           % (tiny_engine.model_id.encode(), parameters))
+    resp = httpx.post(live.api_url + "/chat/completions", content=raw)
+    assert resp.status_code == 400, resp.text
+    assert_error_shape(resp.json(), param="tools", code="json_too_deep")
+
+
+def test_deeply_nested_content_and_body_are_400(live, tiny_engine):
+    deep = b"[" * 300 + b"]" * 300
+    for path, raw in [
+        ("/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep + b"}]}"),
+        ("/completions", b'{"prompt": "x", "metadata": ' + deep + b"}"),
+        ("/completions", b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}"),
+    ]:
+        resp = httpx.post(live.api_url + path, content=raw)
+        assert resp.status_code == 400, resp.text
+        assert_error_shape(resp.json())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-320])
+def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_engine, temperature):
+    greedy = client.chat.completions.create(model=tiny_engine.model_id, messages=MSG, max_tokens=4, temperature=0)
+    tiny = client.chat.completions.create(model=tiny_engine.model_id, messages=MSG, max_tokens=4,
+                                          temperature=temperature)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert tiny.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
+    """Each token covers at most `max_token_chars` characters: past that many per token of
+    context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
+    from engine.server.request_handler import RequestHandler
+
+    handler = RequestHandler(tiny_engine, allow_remote_images=False, max_body_bytes=64 * 1024 * 1024)
+    per_token = handler.renderer.max_token_chars
+    assert per_token is not None and per_token >= max(len(t) for t in tiny_engine.tokenizer.get_vocab())
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(tiny_engine.tokenizer, name)
+
+    handler.renderer.tokenizer = Counting()
+    limit = (tiny_engine.max_model_len - 1) * per_token
+    cases = [
+        ("chat", {"messages": [{"role": "system", "content": "x" * (limit // 2)},
+                               {"role": "user", "content": [{"type": "text", "text": "y" * (limit // 2 + 2)}]}]},
+         "messages"),
+        ("completion", {"prompt": "2024-01-01 " * (limit // 11 + 1)}, "prompt"),
+    ]
+    for kind, body, param in cases:
+        with pytest.raises(APIError) as info:
+            handler._prepare(json.dumps({"model": tiny_engine.model_id, **body}).encode(), kind)
+        assert (info.value.status_code, info.value.code, info.value.param) == (400, "context_length_exceeded", param)
+        assert "characters" in info.value.message
+    assert calls == []  # the tokenizer was never touched
+    # Just under the bound, the size alone does not decide: it is tokenized (then refused by count).
+    with pytest.raises(APIError) as info:
+        handler._prepare(json.dumps({"model": tiny_engine.model_id, "prompt": "x" * limit}).encode(), "completion")
+    assert info.value.code == "context_length_exceeded" and "encode" in calls

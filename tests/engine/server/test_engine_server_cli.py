@@ -116,3 +116,14 @@ def test_a_missing_model_fails_clearly_with_exit_code_1(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1
     assert "could not load the model" in proc.stderr and str(missing) in proc.stderr
+
+
+def test_batching_flags_parse_and_reject_zero():
+    args = build_parser().parse_args(["engine", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"])
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (8, 256)
+    defaults = build_parser().parse_args(["engine"])
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (64, 512)
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(["engine", flag, "0"])
+        assert info.value.code == 2

@@ -1,0 +1,535 @@
+"""Fault campaign: the gateway and the engine tried as an attacker and a careless client would.
+
+Real processes on loopback: ``prefixgate engine`` (the bundled model, with a per-run
+API key as ``prefixgate serve`` gives it), a fault-injecting proxy (in this
+process) and ``prefixgate gateway`` in front of it with two isolated tenants.
+
+Phases, each a row of the table:
+
+1. malformed requests (seeded, ``tests/engine/server/bad_requests.py``) to the engine
+   and to the gateway: answers >= 500, answers without OpenAI's error shape;
+2. valid requests through the gateway with ``--fault-rate`` injected upstream faults
+   (500, 503, invalid JSON, a malformed SSE event, an error event, a stream cut short):
+   a 5xx exactly for the faulted ones, one stats row per request, 502/503 rows for
+   faulted streams;
+3. cancellation bursts: streams closed by the client after their first event: 499 rows,
+   0 KV blocks in use afterwards;
+4. isolation: tenant B's cached tokens on tenant A's prompt (0 expected);
+5. the engine's port without the key: 401 on every inference route;
+6. oversized: a 7.5 MiB user message refused by the engine and through the gateway,
+   and another tenant's one-token latency while it is refused (p99 vs idle p99);
+7. signals: SIGINT and SIGTERM to a gateway under load: answered requests without a row.
+
+Prints the table and writes JSON to benchmarks/results/fault_campaign.json.
+Usage: python benchmarks/fault_campaign.py [--cases 2000] [--fault-requests 2000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "engine" / "server"))
+from bad_requests import cases, check_answer  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MODEL = "SmolLM2-135M-Instruct"
+FAULTS = ["500", "503", "invalid_json", "malformed_event", "error_event", "cut"]
+TENANT_KEYS = {"alpha": "campaign-key-alpha", "beta": "campaign-key-beta"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: process exited with {process.returncode} during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} did not become healthy")
+        time.sleep(0.25)
+
+
+# --------------------------------------------------------------------------- fault proxy
+
+class FaultProxy:
+    """Forwards to the engine; a request whose user text carries ``req-N`` gets the fault
+    :func:`fault_for` (seed, N) decides, the same decision the load generator makes."""
+
+    def __init__(self, engine_url: str, key: str, seed: int, rate: float) -> None:
+        self.engine_url = engine_url
+        self.key = key
+        self.seed = seed
+        self.rate = rate
+        self.enabled = False
+        self.client = httpx.AsyncClient(timeout=300)
+
+    def fault_for(self, number: int) -> str | None:
+        rng = random.Random(f"fault:{self.seed}:{number}")
+        return rng.choice(FAULTS) if self.enabled and rng.random() < self.rate else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        fault = None
+        marker = body.find(b"req-")
+        if marker >= 0:
+            digits = body[marker + 4: marker + 14].split(b" ")[0].split(b'"')[0]
+            fault = self.fault_for(int(digits)) if digits.isdigit() else None
+        stream = b'"stream": true' in body or b'"stream":true' in body
+        if fault in ("500", "503"):
+            await _respond(send, int(fault), b'{"error": {"message": "injected", "type": "server_error"}}')
+            return
+        if fault == "invalid_json" and not stream:
+            await _respond(send, 200, b'{"choices": [ not json')
+            return
+        headers = {"content-type": "application/json", "authorization": f"Bearer {self.key}"}
+        method, path = scope["method"], scope["path"]
+        request = self.client.build_request(method, self.engine_url + path, content=body or None, headers=headers)
+        upstream = await self.client.send(request, stream=True)
+        # Like any proxy, pass the client going away on: closing the upstream cancels it.
+        relay = asyncio.ensure_future(self._relay(upstream, send, fault, stream))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relay, gone):
+                task.cancel()
+            await asyncio.gather(relay, gone, return_exceptions=True)
+            await upstream.aclose()
+
+    async def _relay(self, upstream: httpx.Response, send: Any, fault: str | None, stream: bool) -> None:
+        await send({"type": "http.response.start", "status": upstream.status_code,
+                    "headers": [(k.encode(), v.encode()) for k, v in upstream.headers.items()
+                                if k.lower() in ("content-type",)]})
+        sent_events = 0
+        async for chunk in upstream.aiter_raw():
+            if fault and stream and sent_events >= 1:
+                tail = {"malformed_event": b"data: {oops\n\n", "invalid_json": b"data: [1, 2\n\n",
+                        "error_event": b'data: {"error": {"message": "injected mid-stream"}}\n\n',
+                        "cut": b""}[fault]
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent_events += chunk.count(b"\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(send: Any, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def serve_in_thread(app: Any) -> tuple[str, uvicorn.Server]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on", access_log=False))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
+# --------------------------------------------------------------------------- processes
+
+class Processes:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.engine_key = secrets.token_urlsafe(32)
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+    def engine(self) -> str:
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port), "--log-level", "warning"],
+            env={**self.env, "PREFIXGATE_ENGINE_API_KEY": self.engine_key})
+        self.children.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        return url
+
+    def gateway(self, upstream: str, name: str) -> tuple[str, subprocess.Popen[bytes], Path]:
+        from gateway.api_key import hash_key
+
+        data = self.workdir / name
+        data.mkdir()
+        config = data / "gateway.toml"
+        config.write_text("".join(f'[tenants.{tenant}]\nkeys = ["{hash_key(key)}"]\n'
+                                  for tenant, key in TENANT_KEYS.items()))
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream, "--port", str(port),
+             "--config", str(config), "--data-dir", str(data), "--log-level", "error"],
+            env={**self.env, "PREFIXGATE_UPSTREAM_API_KEY": self.engine_key})
+        self.children.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        return url, process, data / "prefixgate.db"
+
+    def stop(self) -> None:
+        for process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.children:
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def db_rows(path: Path) -> list[tuple[int, str | None]]:
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as connection:
+        return list(connection.execute("SELECT status, error_code FROM request_log"))
+
+
+def engine_blocks_used(engine: str, key: str) -> float:
+    text = httpx.get(engine + "/metrics", headers={"authorization": f"Bearer {key}"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("prefixgate_engine_kv_blocks_used"))
+
+
+def chat(number: int, *, stream: bool, max_tokens: int = 2, content: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+                            "messages": [{"role": "user", "content": content or f"req-{number} say hi"}]}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# --------------------------------------------------------------------------- phases
+
+async def post_all(url: str, requests: list[tuple[str, bytes]], key: str, concurrency: int = 8
+                   ) -> list[tuple[int, bytes]]:
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def one(path: str, body: bytes) -> tuple[int, bytes]:
+            async with semaphore:
+                response = await client.post(path, content=body, headers={
+                    "authorization": f"Bearer {key}", "content-type": "application/json"})
+                return response.status_code, response.content
+
+        return await asyncio.gather(*(one(path, body) for path, body in requests))
+
+
+def phase_malformed(engine: str, gateway: str, engine_key: str, count: int, seed: int) -> dict[str, Any]:
+    all_cases = list(cases(seed, count, MODEL))
+    requests = [(case.path, case.body) for case in all_cases]
+    out: dict[str, Any] = {"cases": count, "seed": seed}
+    for name, url, key in (("engine", engine, engine_key), ("gateway", gateway, TENANT_KEYS["alpha"])):
+        answers = asyncio.run(post_all(url, requests, key))
+        problems = [(case, check_answer(status, content)) for case, (status, content) in zip(all_cases, answers, strict=True)]
+        bad = [(case, problem) for case, problem in problems if problem is not None]
+        out[name] = {
+            "statuses": dict(Counter(status for status, _ in answers)),
+            "5xx": sum(status >= 500 for status, _ in answers),
+            "bad_answers": len(bad),
+            "examples": [f"{case.kind}: {problem}" for case, problem in bad[:5]],
+        }
+    return out
+
+
+def phase_faults(gateway: str, proxy: FaultProxy, db: Path, count: int) -> dict[str, Any]:
+    before = len(db_rows(db))
+    proxy.enabled = True
+    numbers = list(range(100_000, 100_000 + count))
+    requests = [("/v1/chat/completions", json.dumps(chat(n, stream=n % 2 == 0)).encode()) for n in numbers]
+    answers = asyncio.run(post_all(gateway, requests, TENANT_KEYS["alpha"]))
+    wrong: list[str] = []
+    faulted = 0
+    for number, (status, content) in zip(numbers, answers, strict=True):
+        fault = proxy.fault_for(number)  # the proxy's decision (still enabled here)
+        failed = status >= 500 or (status == 200 and b'"error"' in content)
+        if fault is None and (status != 200 or failed or check_answer(status, content)):
+            wrong.append(f"req-{number} unfaulted: {status} {content[:120]!r}")
+        if fault is not None:
+            faulted += 1
+            if not failed:
+                wrong.append(f"req-{number} {fault} not reported: {status} {content[:120]!r}")
+            if status >= 500 and check_answer(400, content) is not None:  # the 5xx body is OpenAI-shaped
+                wrong.append(f"req-{number} {fault}: error body not OpenAI-shaped")
+    proxy.enabled = False
+    deadline = time.monotonic() + 30
+    while len(db_rows(db)) < before + count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rows = db_rows(db)[before:]
+    return {"requests": count, "faulted": faulted, "wrong": len(wrong), "examples": wrong[:5],
+            "rows": len(rows), "rows_5xx": sum(status >= 500 for status, _ in rows)}
+
+
+async def _cancel_one(client: httpx.AsyncClient, number: int) -> bool:
+    body = chat(number, stream=True, max_tokens=64, content=f"req-{number} Write a long story about a bicycle.")
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"authorization": f"Bearer {TENANT_KEYS['beta']}"}) as response:
+        async for _ in response.aiter_bytes():
+            return True  # close after the first bytes
+    return False
+
+
+def phase_cancel(gateway: str, engine: str, engine_key: str, db: Path, bursts: int, size: int) -> dict[str, Any]:
+    before = len(db_rows(db))
+
+    async def run() -> int:
+        started = 0
+        async with httpx.AsyncClient(base_url=gateway, timeout=600) as client:
+            for burst in range(bursts):
+                results = await asyncio.gather(*(_cancel_one(client, 200_000 + burst * size + i) for i in range(size)))
+                started += sum(results)
+        return started
+
+    started = asyncio.run(run())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (engine_blocks_used(engine, engine_key) > 0
+                                           or len(db_rows(db)) < before + bursts * size):
+        time.sleep(0.2)
+    rows = db_rows(db)[before:]
+    return {"cancelled": bursts * size, "started": started, "rows": len(rows),
+            "rows_499": sum(status == 499 for status, _ in rows),
+            "blocks_in_use_after": engine_blocks_used(engine, engine_key)}
+
+
+def phase_isolation(gateway: str) -> dict[str, Any]:
+    prompt = "You are the help desk of the Riverbend municipal library. " * 40
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "Opening hours?"}]}
+
+    def cached(tenant: str) -> int:
+        response = httpx.post(gateway + "/v1/chat/completions", json=body, timeout=300,
+                              headers={"authorization": f"Bearer {TENANT_KEYS[tenant]}"})
+        response.raise_for_status()
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    first, second = cached("alpha"), cached("alpha")
+    other = cached("beta")
+    return {"alpha_first": first, "alpha_second": second, "beta_on_alpha_prompt": other}
+
+
+def phase_engine_auth(engine: str) -> dict[str, Any]:
+    statuses = {}
+    for headers in ({}, {"authorization": "Bearer guess"}):
+        for path, body in (("/v1/chat/completions", chat(1, stream=False)), ("/v1/completions",
+                                                                             {"model": MODEL, "prompt": "hi"})):
+            response = httpx.post(engine + path, json=body, headers=headers, timeout=60)
+            statuses[f"{path} {'no key' if not headers else 'wrong key'}"] = response.status_code
+    return {"statuses": statuses, "answered": sum(status < 400 for status in statuses.values())}
+
+
+def phase_oversized(engine: str, gateway: str, engine_key: str, quiet: int) -> dict[str, Any]:
+    big = json.dumps(chat(0, stream=False, content="x" * (7 * 1024 * 1024 + 512 * 1024))).encode()
+
+    async def run() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def small(url: str, key: str) -> float:
+                start = time.perf_counter()
+                response = await client.post(url + "/v1/chat/completions", json=chat(1, stream=False, max_tokens=1),
+                                             headers={"authorization": f"Bearer {key}"})
+                response.raise_for_status()
+                return time.perf_counter() - start
+
+            async def refuse(url: str, key: str) -> tuple[int, float]:
+                start = time.perf_counter()
+                response = await client.post(url + "/v1/chat/completions", content=big, headers={
+                    "authorization": f"Bearer {key}", "content-type": "application/json"})
+                return response.status_code, time.perf_counter() - start
+
+            out: dict[str, Any] = {}
+            for name, url, key in (("engine", engine, engine_key), ("gateway", gateway, TENANT_KEYS["alpha"])):
+                other_key = engine_key if name == "engine" else TENANT_KEYS["beta"]
+                idle = [await small(url, other_key) for _ in range(quiet)]
+                refusals = asyncio.gather(refuse(url, key), refuse(url, key))
+                during: list[float] = []
+                task = asyncio.ensure_future(refusals)
+                while not task.done():
+                    during.append(await small(url, other_key))
+                results = await task
+                out[name] = {
+                    "refusal_statuses": [status for status, _ in results],
+                    "refusal_s": max(seconds for _, seconds in results),
+                    "other_idle_p99_ms": 1000 * _p99(idle),
+                    "other_during_p99_ms": 1000 * _p99(during),
+                    "other_during_n": len(during),
+                }
+            return out
+
+    return asyncio.run(run())
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def phase_signal(processes: Processes, upstream: str, sig: signal.Signals, requests: int) -> dict[str, Any]:
+    url, process, db = processes.gateway(upstream, f"signal-{sig.name}")
+    answered = 0
+
+    async def run() -> int:
+        ok = 0
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            semaphore = asyncio.Semaphore(16)
+
+            async def one(number: int) -> None:
+                nonlocal ok
+                async with semaphore:
+                    try:
+                        response = await client.post("/v1/chat/completions", json=chat(number, stream=number % 3 == 0),
+                                                     headers={"authorization": f"Bearer {TENANT_KEYS['alpha']}"})
+                    except httpx.HTTPError:
+                        return
+                    if response.status_code == 200 and b'"error"' not in response.content:
+                        ok += 1
+                        if ok == requests // 4:
+                            process.send_signal(sig)
+
+            await asyncio.gather(*(one(300_000 + i) for i in range(requests)), return_exceptions=True)
+        return ok
+
+    answered = asyncio.run(run())
+    code = process.wait(120)
+    rows = db_rows(db)
+    ok_rows = sum(status == 200 for status, _ in rows)
+    return {"answered_200": answered, "rows_200": ok_rows, "rows": len(rows), "exit": code,
+            "lost": max(0, answered - ok_rows)}
+
+
+# --------------------------------------------------------------------------- main
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=2000, help="malformed requests per server")
+    parser.add_argument("--fault-requests", type=int, default=2000, help="requests with injected faults")
+    parser.add_argument("--fault-rate", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--quick", action="store_true", help="200 cases, 200 fault requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.cases, args.fault_requests = 200, 200
+    results: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version(),
+                               "cpus": os.cpu_count(), "args": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="prefixgate-campaign-") as tmp:
+        processes = Processes(Path(tmp))
+        try:
+            engine = processes.engine()
+            proxy = FaultProxy(engine, processes.engine_key, args.seed, args.fault_rate)
+            proxy_url, proxy_server = serve_in_thread(proxy)
+            gateway, _, db = processes.gateway(proxy_url, "main")
+            timings: dict[str, float] = {}
+
+            def timed(name: str, fn: Any, *fn_args: Any) -> Any:
+                start = time.perf_counter()
+                print(f"... {name}", flush=True)
+                value = fn(*fn_args)
+                timings[name] = round(time.perf_counter() - start, 1)
+                return value
+
+            results["malformed"] = timed("malformed", phase_malformed, engine, gateway, processes.engine_key,
+                                         args.cases, args.seed)
+            results["faults"] = timed("faults", phase_faults, gateway, proxy, db, args.fault_requests)
+            results["cancel"] = timed("cancel", phase_cancel, gateway, engine, processes.engine_key, db, 4, 16)
+            results["isolation"] = timed("isolation", phase_isolation, gateway)
+            results["engine_auth"] = timed("engine_auth", phase_engine_auth, engine)
+            results["oversized"] = timed("oversized", phase_oversized, engine, gateway, processes.engine_key, 30)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                results[f"signal_{sig.name}"] = timed(sig.name, phase_signal, processes, proxy_url, sig, 200)
+            results["blocks_in_use_at_end"] = engine_blocks_used(engine, processes.engine_key)
+            results["seconds"] = timings
+            proxy_server.should_exit = True
+        finally:
+            processes.stop()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "fault_campaign.json").write_text(json.dumps(results, indent=2) + "\n")
+    return print_table(results)
+
+
+def print_table(r: dict[str, Any]) -> int:
+    m, f, c, i, o = r["malformed"], r["faults"], r["cancel"], r["isolation"], r["oversized"]
+    rows = [
+        ("malformed -> engine: 5xx / not OpenAI-shaped", f"{m['engine']['5xx']} / {m['engine']['bad_answers']} "
+         f"of {m['cases']}", m["engine"]["bad_answers"] == 0),
+        ("malformed -> gateway: 5xx / not OpenAI-shaped", f"{m['gateway']['5xx']} / {m['gateway']['bad_answers']} "
+         f"of {m['cases']}", m["gateway"]["bad_answers"] == 0),
+        ("faults: wrong answers (5xx iff faulted)", f"{f['wrong']} of {f['requests']} ({f['faulted']} faulted)",
+         f["wrong"] == 0),
+        ("faults: rows written / 5xx rows", f"{f['rows']} / {f['rows_5xx']}",
+         f["rows"] == f["requests"] and f["rows_5xx"] == f["faulted"]),
+        ("cancellation bursts: 499 rows / blocks in use after", f"{c['rows_499']} of {c['cancelled']} / "
+         f"{c['blocks_in_use_after']:.0f}", c["rows_499"] == c["cancelled"] and c["blocks_in_use_after"] == 0),
+        ("isolation: tenant B cached tokens on A's prompt", f"{i['beta_on_alpha_prompt']} "
+         f"(A's repeat: {i['alpha_second']})", i["beta_on_alpha_prompt"] == 0 and i["alpha_second"] > 0),
+        ("engine port without the key: requests answered", f"{r['engine_auth']['answered']} of "
+         f"{len(r['engine_auth']['statuses'])}", r["engine_auth"]["answered"] == 0),
+    ]
+    for name in ("engine", "gateway"):
+        side = o[name]
+        rows.append((f"7.5 MiB message -> {name}: statuses, seconds to refuse",
+                     f"{side['refusal_statuses']}, {side['refusal_s']:.2f} s",
+                     all(400 <= s < 500 for s in side["refusal_statuses"])))
+        rows.append((f"  other tenant p99 via {name}: idle / during (ms)",
+                     f"{side['other_idle_p99_ms']:.0f} / {side['other_during_p99_ms']:.0f} "
+                     f"(n={side['other_during_n']})",
+                     side["other_during_p99_ms"] <= 2 * side["other_idle_p99_ms"]))
+    for sig in ("SIGINT", "SIGTERM"):
+        s = r[f"signal_{sig}"]
+        rows.append((f"{sig} under load: answered rows lost", f"{s['lost']} of {s['answered_200']} (exit {s['exit']})",
+                     s["lost"] == 0))
+    rows.append(("KV blocks in use at the end", f"{r['blocks_in_use_at_end']:.0f}", r["blocks_in_use_at_end"] == 0))
+    width = max(len(name) for name, _, _ in rows)
+    print(f"\n{'check':<{width}}  {'result':<40}  ok")
+    print("-" * (width + 48))
+    for name, value, ok in rows:
+        print(f"{name:<{width}}  {value:<40}  {'yes' if ok else 'NO'}")
+    for side in ("engine", "gateway"):
+        for example in m[side]["examples"]:
+            print(f"  {side}: {example[:200]}")
+    for example in f["examples"]:
+        print(f"  faults: {example[:200]}")
+    print(f"\nseconds per phase: {r['seconds']}; JSON in benchmarks/results/fault_campaign.json")
+    return 0 if all(ok for _, _, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""LlamaForward: the Llama family's forward written out, over a flattened batch.
+
+The weights are the checkpoint's, loaded by transformers; this module only
+re-arranges them once: q/k/v projections become one fused ``[q; k; v]`` matrix and
+gate/up one ``[gate; up]`` matrix (the modules' weights are re-pointed to views of
+the fused tensors, so no memory is duplicated and the transformers module graph
+still computes with the same numbers). A forward is then, per layer, two RMSNorms,
+four matrix products, RoPE from the model's own rotary embedding, and
+:func:`~engine.model.attention.paged_attention`; no module dispatch, no cache
+object, no mask tensor.
+
+Numerics follow transformers' ``LlamaDecoderLayer`` op for op (RMSNorm in float32,
+residual adds in the model dtype, ``silu(gate) * up``).
+
+Only plain Llama layers are accepted (:func:`supports`): no projection biases, SiLU
+MLP, standard RMSNorm; anything else runs the generic transformers forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import AttentionBatch, paged_attention
+
+
+def supports(model: Any) -> bool:
+    """True for a ``LlamaForCausalLM`` whose layers this forward computes exactly."""
+    config = model.config
+    return (
+        type(model).__name__ == "LlamaForCausalLM"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and getattr(config, "pretraining_tp", 1) == 1
+    )
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaForward:
+    """Computes hidden states and logits of a flattened batch with a Llama model's weights."""
+
+    def __init__(self, model: Any) -> None:
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a plain Llama model")
+        config = model.config
+        base = model.model
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.embed = base.embed_tokens.weight
+        self.rotary = base.rotary_emb
+        self.norm = base.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]
+
+    @staticmethod
+    def _fuse(layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=qkv,
+            o=attn.o_proj.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=gate_up,
+            down=mlp.down_proj.weight,
+        )
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logit_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits (model dtype) of rows ``logit_rows`` of the flattened batch."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(hidden[None], positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.kv_heads * self.head_dim
+        rows = hidden.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv)
+            q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(rows, self.kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size :].view(rows, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn = paged_attention(i, q, k, v, batch, self.scale)
+            hidden = hidden + F.linear(attn, layer.o)
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = _rms_norm(hidden[logit_rows], self.norm, self.eps)
+        return F.linear(last, self.lm_head)
+
+
+def _fuse_linears(linears: list[Any]) -> torch.Tensor:
+    """One weight matrix stacking ``linears``' rows; each module's weight becomes a view of it
+    (done once per model: a second engine on the same model reuses the fused matrix)."""
+    done = getattr(linears[0], "_prefixgate_fused", None)
+    if done is not None and all(m.weight.untyped_storage().data_ptr() == done.untyped_storage().data_ptr() for m in linears):
+        return done
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
+    offset = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[offset : offset + n], requires_grad=False)
+        offset += n
+    linears[0]._prefixgate_fused = fused
+    return fused

@@ -1,0 +1,154 @@
+"""Several gateway worker processes on one listening socket (``prefixgate gateway --workers N``).
+
+Why processes: the proxy's per-request work (parsing, canonicalization, the
+linter's checks) is Python and holds the GIL, so one process uses one core.
+
+The supervisor binds the socket once and starts N workers with the ``spawn``
+method (nothing inherited by fork); each runs uvicorn on that socket and the
+kernel hands every new connection to one of them. State that must be one for
+the whole gateway is designed for it:
+
+- stats rows: each worker's ``StatsWriter`` inserts its own batches into the same
+  SQLite file (WAL mode and a busy timeout serialize the short transactions:
+  ``database.py``);
+- metrics: ``PROMETHEUS_MULTIPROC_DIR``, a fresh directory per run, summed over all
+  workers at scrape time (``metrics.py``);
+- conversation history for prefix warnings: held by the supervisor and served on
+  a Unix socket (``shared_history.py``).
+
+The upstream connection pool is per worker, and ``/v1/cache/stats`` flushes only
+its own worker's writer (other workers' rows are at most one flush interval late).
+
+Signals: workers run in their own process group, so a terminal's Ctrl-C reaches
+only the supervisor; SIGINT or SIGTERM to the supervisor becomes one SIGTERM to
+each worker, which shuts down gracefully (draining its stats rows), and the
+supervisor returns when all have exited. If the supervisor itself is killed, the
+kernel sends each worker SIGTERM (``PR_SET_PDEATHSIG``) so they drain too. A worker
+that dies is restarted, unless it died within its first seconds (a start-up
+failure: the supervisor stops and reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from typing import Any
+
+from gateway.metrics import MULTIPROC_ENV
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("prefixgate.gateway")
+
+PR_SET_PDEATHSIG = 1
+STARTUP_GRACE_S = 5.0
+
+
+def default_workers() -> int:
+    """The number of cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket. Its protocol must be IPPROTO_TCP (not 0): asyncio sets
+    TCP_NODELAY only on accepted sockets that say so, and without it Nagle's algorithm
+    and delayed ACKs held every response ~40 ms."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: str, workers: int) -> int:
+    """Run ``workers`` gateway processes until SIGINT/SIGTERM; 0 after a graceful stop, 1 if
+    a worker failed at start-up."""
+    from gateway.prefix_warner import PrefixWarner
+    from gateway.shared_history import HistoryServer
+
+    sock = bind(host, port)
+    metrics_dir = tempfile.mkdtemp(prefix="prefixgate-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    history = HistoryServer(PrefixWarner()).start()
+    context = multiprocessing.get_context("spawn")
+    stop = threading.Event()
+    started: dict[int, float] = {}
+
+    def start(index: int) -> Any:
+        process = context.Process(
+            target=_worker, args=(settings, sock, log_level, history.path, os.getpid()),
+            name=f"prefixgate-worker-{index}",
+        )
+        process.start()
+        started[index] = time.monotonic()
+        return process
+
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    processes = [start(index) for index in range(workers)]
+    log.info("%d workers serving on %s:%d", workers, host, port)
+    status = 0
+    try:
+        while not stop.wait(0.5):
+            for index, process in enumerate(processes):
+                if process.is_alive():
+                    continue
+                if time.monotonic() - started[index] < STARTUP_GRACE_S:
+                    log.error("worker %d exited with %s during start-up; stopping", index, process.exitcode)
+                    status = 1
+                    stop.set()
+                    break
+                log.error("worker %d (pid %d) exited with %s; starting another",
+                          index, process.pid, process.exitcode)
+                processes[index] = start(index)
+    finally:
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        history.close()
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.pop(MULTIPROC_ENV, None)
+    return status
+
+
+def _die_with(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies (Linux), and check it still lives."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _worker(settings: GatewaySettings, sock: socket.socket, log_level: str, history_path: str, parent: int) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.launcher import configure_logging
+    from gateway.shared_history import HistoryClient
+
+    os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which forwards SIGTERM once
+    _die_with(parent)
+    configure_logging(log_level)
+    app = create_app(settings, history=HistoryClient(history_path))
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

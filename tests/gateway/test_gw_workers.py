@@ -1,0 +1,106 @@
+"""``prefixgate gateway --workers N`` as real processes: shared warning history, summed
+metrics, every stats row on SIGTERM, and bounded row loss on SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+
+from gateway.database import default_db_url
+from gateway.stats_writer import FLUSH_INTERVAL_S
+
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def start_gateway(upstream_url: str, tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [*CLI, "gateway", "--upstream", upstream_url, "--data-dir", str(tmp_path), "--port", str(port),
+         "--workers", str(workers), "--log-level", "warning"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PREFIXGATE_SECRET": "workers-test-secret-0123"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, name="gateway")
+    return process, url
+
+
+def post_fresh(url: str, body: dict) -> httpx.Response:
+    """One request on its own connection (the kernel picks the worker)."""
+    with httpx.Client(base_url=url, headers={"authorization": "Bearer me"}, timeout=30) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_workers_share_history_and_metrics_and_write_every_row(tmp_path):
+    upstream = FakeUpstream()
+    with serve_in_thread(upstream.app) as upstream_url:
+        process, url = start_gateway(upstream_url, tmp_path, workers=2)
+        try:
+            conversations = 24
+            for i in range(conversations):
+                question = {"role": "user", "content": f"Where is order {i}?"}
+                # an edited system prompt is a break only within a named conversation
+                thread = {"conversation_id": f"order-{i}"}
+                post_fresh(url, {"model": "fake-model", "metadata": thread, "messages": [
+                    {"role": "system", "content": "You are the shop's assistant."}, question]})
+                edited = post_fresh(url, {"model": "fake-model", "metadata": thread, "messages": [
+                    {"role": "system", "content": "You are the shop's helpful assistant."}, question,
+                    {"role": "assistant", "content": "It ships today."},
+                    {"role": "user", "content": "Thanks"}]})
+                # the second turn may reach the other worker: the history is shared
+                codes = edited.headers.get("x-prefixgate-warnings", "")
+                assert re.search(r"PS2\d\d", codes), (i, codes)
+            for _ in range(4):  # any worker answers the scrape with everyone's counts
+                metrics = httpx.get(url + "/metrics").text
+                total = sum(float(value) for value in re.findall(
+                    r'^prefixgate_requests_total\{endpoint="chat.completions",status="200"\} (\S+)$',
+                    metrics, re.MULTILINE))
+                assert total == 2 * conversations, metrics[:2000]
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 0, stderr
+    logged = rows(default_db_url(tmp_path))
+    assert len(logged) == 2 * conversations and {r.status for r in logged} == {200}
+
+
+def test_sigkill_loses_at_most_the_rows_of_the_last_flush_interval(tmp_path):
+    upstream = FakeUpstream()
+    slack = 1.0  # scheduling on a busy machine; the bound itself is FLUSH_INTERVAL_S
+    with serve_in_thread(upstream.app) as upstream_url:
+        process, url = start_gateway(upstream_url, tmp_path, workers=1)
+        answered: list[float] = []
+        try:
+            with httpx.Client(base_url=url, headers={"authorization": "Bearer me"}, timeout=30) as client:
+                deadline = time.monotonic() + FLUSH_INTERVAL_S + slack + 1.0
+                while time.monotonic() < deadline:
+                    body = {"model": "fake-model", "messages": [{"role": "user", "content": "q"}]}
+                    assert client.post("/v1/chat/completions", json=body).status_code == 200
+                    answered.append(time.monotonic())
+            process.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    written = len(rows(default_db_url(tmp_path)))
+    # requests were sequential and rows are written in order: the lost ones are the last ones
+    assert written <= len(answered)
+    old_enough = sum(1 for t in answered if t < killed - FLUSH_INTERVAL_S - slack)
+    assert written >= old_enough > 0, (written, old_enough, len(answered))
+
+
+def test_workers_must_be_a_positive_number(tmp_path):
+    done = subprocess.run([*CLI, "gateway", "--upstream", "http://127.0.0.1:1", "--data-dir", str(tmp_path),
+                           "--workers", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--workers" in done.stderr and "Traceback" not in done.stderr
