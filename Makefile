@@ -48,6 +48,10 @@ bench: install
 	$(PY) benchmarks/lint_throughput.py
 	$(PY) benchmarks/gateway_overhead.py
 	$(PY) benchmarks/gateway_load.py
+	$(PY) benchmarks/lint_precision.py
+	$(PY) benchmarks/batching.py
+	$(PY) benchmarks/routing.py
+	$(PY) benchmarks/fault_campaign.py
 	$(PY) benchmarks/grammar_backends.py
 	$(PY) benchmarks/structured_outputs.py
 

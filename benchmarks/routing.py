@@ -143,7 +143,9 @@ def start_routers(procs: list[subprocess.Popen[bytes]], replicas: list[dict[str,
 def system_prompt(tenant: str, nonce: str, words: int = 330) -> str:
     rng = random.Random(f"{tenant}/{nonce}")
     body = " ".join(rng.choice(WORDS) for _ in range(words))
-    return f"[{nonce}] You are the assistant of team {tenant}. Reference notes: {body}. Answer in one word."
+    # The tenant comes first, so tenants share no block even without salts: the routers are
+    # compared on routing, not on prefixgate's per-tenant isolation.
+    return f"Team {tenant} [{nonce}]. You are this team's assistant. Reference notes: {body}. Answer in one word."
 
 
 def conversation(tenant: str, nonce: str, turns: int) -> list[list[dict[str, Any]]]:

@@ -9,7 +9,11 @@ the gateway's CPU, and throughput fell to a sixth of its single-client figure.
 Here each origin (scheme, host, port) keeps its idle connections in an
 insertion-ordered dict used as a stack: checkout takes the most recently used
 one; a connection the peer closes removes itself (``connection_lost``), without
-polling; an idle one older than ``keepalive_expiry`` is closed at checkout rather
+polling, and one whose close the event loop has not processed yet is caught at
+checkout by a zero-timeout ``select`` on its socket (an idle HTTP/1.1
+connection has nothing to read: readable means closed or broken), so a request
+is never written into a connection the upstream already dropped (a killed
+replica: the request is then refused on connect and retried elsewhere); an idle one older than ``keepalive_expiry`` is closed at checkout rather
 than reused (uvicorn servers drop idle connections after 5 s). A semaphore bounds
 the connections per origin (``max_connections``); waiting for one honours the
 pool timeout. Responses are parsed by httptools (C, the parser uvicorn uses).
@@ -33,6 +37,7 @@ keeping a connection after a ``HEAD``.
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections import deque
@@ -156,6 +161,20 @@ class _Connection(asyncio.Protocol):
                 return
             await self._wait(timeout)
 
+    def dropped(self) -> bool:
+        """True when the peer closed (or wrote to) this idle connection, even before the
+        event loop processed it: one non-blocking ``select`` on the socket."""
+        if self.lost or self.transport is None or self.transport.is_closing():
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and not self.lost and self.error is None and not self.chunks
 
@@ -258,7 +277,7 @@ class ConnectionPool(httpx.AsyncBaseTransport):
             now = time.monotonic()
             while origin.idle:
                 connection, _ = origin.idle.popitem()
-                if not connection.lost and now - connection.idle_since < self.keepalive_expiry:
+                if now - connection.idle_since < self.keepalive_expiry and not connection.dropped():
                     return connection
                 connection.close()
             return await self._connect(origin, timeouts.get("connect"))

@@ -250,3 +250,44 @@ def test_https_upstream_with_a_trusted_certificate(tmp_path):
                 with pytest.raises(httpx.ConnectError):  # the default trust store rejects the certificate
                     await untrusting.post(f"https://localhost:{port}/v1/x", content=b"{}")
     asyncio.run(go())
+
+
+def test_an_idle_connection_the_upstream_dropped_is_not_reused_before_the_loop_notices():
+    """A replica killed between two requests: its FIN is in the kernel, but the event loop has
+    not run since, so ``connection_lost`` has not fired. The next request must not be written
+    into the dead socket (that is a ReadError after sending: never retried); it opens a new one."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    closed = threading.Event()
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+    def serve() -> None:
+        for index in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+                if index == 0:  # drop the keep-alive connection while it is idle
+                    conn.shutdown(socket.SHUT_RDWR)
+                    closed.set()
+                else:
+                    conn.recv(65536)  # until the client closes
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def go() -> None:
+        async with client() as http:
+            pool = http._transport
+            assert isinstance(pool, ConnectionPool)
+            first = await http.post(f"http://127.0.0.1:{port}/v1/x", content=b"{}")
+            assert first.status_code == 200
+            closed.wait(5)  # blocks the loop: the FIN stays unprocessed
+            second = await http.post(f"http://127.0.0.1:{port}/v1/x", content=b"{}")
+            assert second.status_code == 200 and pool.opened == 2
+
+    asyncio.run(go())
+    listener.close()

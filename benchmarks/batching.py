@@ -1,0 +1,213 @@
+"""Concurrent streams: prefixgate's engine batched vs one at a time vs llama.cpp's server.
+
+For each server, in one run of this script and one after the other (never two at
+once): ``prefixgate engine`` with its default batching, ``prefixgate engine
+--max-num-seqs 1`` (one request per forward, the old engine's behaviour), and
+llama.cpp's server on the same bundled GGUF (``-np 8``, 2 threads). For each
+concurrency level, that many streaming ``/v1/completions`` requests start at once,
+each with its own short prompt (token ids, so every server gets the same tokens)
+and ``max_tokens`` forced output tokens (``ignore_eos``, greedy). Measured on the
+client: output tokens/s over the level's wall time, TTFT (send to first streamed
+token) and latency (send to last byte), p50 and p99.
+
+Then the shared-prefix case: 16 requests sharing a 2k-token system prompt (plus a
+short unique question each) arriving together, on a server whose cache is cold.
+
+Prints a table and writes benchmarks/results/batching.json with the issue's targets:
+8 streams >= 4x ``--max-num-seqs 1`` and >= llama.cpp; 64 streams TTFT p50 <= 1/4
+of ``--max-num-seqs 1``.
+
+Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
+       [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
+       [--shared batched seq1 llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx
+from servers import engine_server, llama_server
+
+RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
+LOGS = Path(__file__).resolve().parent / "results" / "logs"
+SHARED_PREFIX_TOKENS = 2048
+SHARED_REQUESTS = 16
+SHARED_OUTPUT_TOKENS = 16
+
+
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from engine.model_store import ensure_converted_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_converted_model()), local_files_only=True)
+
+
+def text_tokens(tok: Any, n: int, seed: int) -> list[int]:
+    """``n`` tokens of varied English-like text, different for each seed."""
+    words = ["the", "shop", "repairs", "bikes", "and", "sells", "parts", "for", "city", "riders", "who", "need", "fast", "help"]
+    parts, i = [], seed
+    while True:
+        i = (i * 1103515245 + 12345) % 2**31
+        parts.append(f"{words[i % len(words)]} {i % 997}")
+        if len(parts) % 32 == 0:
+            ids = tok.encode(" ".join(parts), add_special_tokens=False)
+            if len(ids) >= n:
+                return list(ids[:n])
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True,
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    chunks = 0
+    usage: dict[str, Any] | None = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            choices = event.get("choices") or []
+            if choices and choices[0].get("text"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    completion = (usage or {}).get("completion_tokens") or chunks
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"ttft": (first or end) - start, "latency": end - start, "tokens": completion, "cached": cached}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def level(url: str, model: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, url, model, p, tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    latency = [r["latency"] for r in results]
+    total = sum(r["tokens"] for r in results)
+    return {
+        "streams": len(prompts), "wall_s": wall, "output_tokens": total, "tokens_per_s": total / wall,
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "latency_p50_ms": pct(latency, 0.5) * 1e3, "latency_p99_ms": pct(latency, 0.99) * 1e3,
+        "cached_tokens": [r["cached"] for r in results],
+    }
+
+
+def run_server(
+    name: str, base: str, model: str, tok: Any, streams: list[int], tokens: int, seed: int, shared_case: bool
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"levels": [], "load_avg_before": os.getloadavg()}
+    asyncio.run(level(base, model, [text_tokens(tok, 24, seed)], 8))  # warm-up
+    for n in streams:
+        prompts = [text_tokens(tok, 24, seed + 1000 * n + i) for i in range(n)]
+        row = asyncio.run(level(base, model, prompts, tokens))
+        print(f"  {name:>8} {n:>3} streams: {row['tokens_per_s']:7.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:8.0f} ms "
+              f"p99 {row['ttft_p99_ms']:8.0f} ms, latency p50 {row['latency_p50_ms']:8.0f} ms, "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        out["levels"].append(row)
+    out["load_avg_after"] = os.getloadavg()
+    if not shared_case:
+        return out
+    system = text_tokens(tok, SHARED_PREFIX_TOKENS, seed + 7)
+    prompts = [system + text_tokens(tok, 16, seed + 50_000 + i) for i in range(SHARED_REQUESTS)]
+    shared = asyncio.run(level(base, model, prompts, SHARED_OUTPUT_TOKENS))
+    print(f"  {name:>8} shared 2k prefix x{SHARED_REQUESTS}: TTFT p50 {shared['ttft_p50_ms']:.0f} ms "
+          f"p99 {shared['ttft_p99_ms']:.0f} ms, latency p50 {shared['latency_p50_ms']:.0f} ms, "
+          f"cached {shared['cached_tokens']}", flush=True)
+    out["shared_prefix"] = shared
+    out["load_avg_after"] = os.getloadavg()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    parser.add_argument("--seq1-streams", type=int, nargs="+", default=None,
+                        help="levels for --max-num-seqs 1 (default: --streams)")
+    parser.add_argument("--llama-streams", type=int, nargs="+", default=None,
+                        help="levels for llama.cpp's server (default: --streams)")
+    parser.add_argument("--shared", nargs="*", default=["batched", "seq1", "llama"],
+                        help="servers that also run the shared-prefix case (default: all)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
+                        choices=["batched", "seq1", "llama"])
+    args = parser.parse_args(argv)
+    tok = tokenizer()
+    model = "SmolLM2-135M-Instruct"
+    servers = {
+        "batched": lambda: engine_server(log=LOGS / "engine-batched.log"),
+        "seq1": lambda: engine_server("--max-num-seqs", "1", log=LOGS / "engine-seq1.log"),
+        "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
+    }
+    results: dict[str, Any] = {}
+    for i, name in enumerate(args.servers):
+        streams = {"seq1": args.seq1_streams, "llama": args.llama_streams}.get(name) or args.streams
+        print(f"{name}: starting", flush=True)
+        with servers[name]() as base:
+            results[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i, name in args.shared)
+
+    def find(name: str, n: int) -> dict[str, Any] | None:
+        rows = results.get(name, {}).get("levels", [])
+        return next((r for r in rows if r["streams"] == n), None)
+
+    print(f"\n{args.tokens} output tokens per stream; output tokens/s | TTFT p50/p99 ms | latency p50/p99 ms")
+    print(f"{'streams':>7} " + " ".join(f"{n:>44}" for n in results))
+    for n in sorted({r["streams"] for v in results.values() for r in v["levels"]}):
+        cells = []
+        for name in results:
+            r = find(name, n)
+            cells.append(f"{r['tokens_per_s']:8.1f} | {r['ttft_p50_ms']:6.0f}/{r['ttft_p99_ms']:6.0f} | "
+                         f"{r['latency_p50_ms']:6.0f}/{r['latency_p99_ms']:6.0f}" if r else f"{'-':>44}")
+        print(f"{n:>7} " + " ".join(f"{c:>44}" for c in cells))
+    targets: dict[str, Any] = {}
+    b8, s8, l8 = find("batched", 8), find("seq1", 8), find("llama", 8)
+    if b8 and s8:
+        targets["8_streams_vs_seq1"] = b8["tokens_per_s"] / s8["tokens_per_s"]
+        targets["8_streams_at_least_4x_seq1"] = targets["8_streams_vs_seq1"] >= 4
+    if b8 and l8:
+        targets["8_streams_vs_llama"] = b8["tokens_per_s"] / l8["tokens_per_s"]
+        targets["8_streams_at_least_llama"] = targets["8_streams_vs_llama"] >= 1
+    b64, s64 = find("batched", 64), find("seq1", 64)
+    if b64 and s64:
+        targets["64_streams_ttft_p50_ratio"] = b64["ttft_p50_ms"] / s64["ttft_p50_ms"]
+        targets["64_streams_ttft_p50_at_most_quarter"] = targets["64_streams_ttft_p50_ratio"] <= 0.25
+    print("targets:", ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in targets.items()))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "batching", "output_tokens": args.tokens,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
+        "servers": results, "targets": targets,
+    }, indent=2))
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
