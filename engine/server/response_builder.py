@@ -58,6 +58,12 @@ class Choice:
     logprobs: list[TokenLogprobs] | None = None
 
 
+def new_call_id() -> str:
+    """A fresh id for a tool call in a response; ids never reach a prompt
+    (:func:`engine.server.tool_calls.render_call` drops them)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One server-sent event: ``data: <json>`` and a blank line."""
     return b"data: " + orjson.dumps(payload) + b"\n\n"

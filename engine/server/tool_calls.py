@@ -24,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from engine.server.errors import invalid_param
+from engine.server.response_builder import new_call_id
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -107,10 +107,6 @@ def parse_tool_choice(value: object, tools: list[dict[str, Any]] | None,
         raise invalid_param(f"tool_choice names function {name!r}, which is not in 'tools' "
                             f"({names}).", "tool_choice")
     return ToolChoice("named", name=name, parallel=parallel)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def extract_tool_calls(text: str, choice: ToolChoice,
