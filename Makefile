@@ -52,6 +52,8 @@ bench: install
 	$(PY) benchmarks/batching.py
 	$(PY) benchmarks/routing.py
 	$(PY) benchmarks/fault_campaign.py
+	$(PY) benchmarks/grammar_backends.py
+	$(PY) benchmarks/structured_outputs.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -104,6 +104,9 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await state.proxy.handle(request, "completions")
 
+    async def responses(request: Request) -> Response:
+        return await state.proxy.handle(request, "responses")
+
     async def models(request: Request) -> Response:
         try:
             state.authenticator.tenant_for(request.headers.get("authorization"))
@@ -152,6 +155,7 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -68,6 +68,10 @@ class BlockKeyer:
     def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt token ids the engine will compute, or None when they cannot be known."""
         try:
+            if endpoint == "responses":
+                from gateway.responses_body import chat_view
+
+                body, endpoint = chat_view(body) or {}, "chat.completions"
             if endpoint == "chat.completions":
                 messages, tools = body.get("messages"), body.get("tools")
                 if not isinstance(messages, list) or not messages:

@@ -33,13 +33,15 @@ from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
+from gateway.responses_body import canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
 from gateway.upstream_kind import scoped_body
 
 log = logging.getLogger(__name__)
 
-PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
+         "responses": "/v1/responses"}
 WARNINGS_HEADER = "x-prefixgate-warnings"
 
 
@@ -95,14 +97,22 @@ class Proxy:
         original = body
         if record.endpoint == "chat.completions":
             body, record.canonicalization = canonicalize(body, tenant.canonicalize)
-        upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record.stream)
+        elif record.endpoint == "responses":
+            body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
+        upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
 
         async def check() -> list[PrefixWarning]:
-            if record.endpoint != "chat.completions" or not tenant.warnings:
+            if record.endpoint == "completions" or not tenant.warnings:
                 return []
+            sent, canonical = original, body
+            sent_raw: bytes | None = raw
+            if record.endpoint == "responses":  # warned about as the chat request it stands for
+                sent, canonical, sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
+                if not canonical.get("messages"):
+                    return []
             return await self.warner.check_within_budget(
-                tenant.name, original, body, body_size=len(raw),
-                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=raw,
+                tenant.name, sent, canonical, body_size=len(raw),
+                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=sent_raw,
             )
 
         warnings: list[PrefixWarning] | None = None
@@ -144,13 +154,15 @@ class Proxy:
         return self._complete(record, result, warning_dicts, headers)
 
     def _upstream_body(
-        self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, stream: bool
+        self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, record: RequestRecord
     ) -> tuple[dict[str, Any], bool]:
         """The body sent upstream (server-side salt or cache key; usage asked for when streaming),
-        and whether the usage chunk must be stripped again for the client."""
+        and whether the usage chunk must be stripped again for the client. A Responses
+        stream always ends with its usage (in ``response.completed``)."""
         upstream_body = scoped_body(self.replicas.kind, body, self.secret, tenant.scope, client_salt)
         options = upstream_body.get("stream_options") or {}
-        strip_usage = stream and not options.get("include_usage")
+        strip_usage = (record.stream and record.endpoint != "responses"
+                       and not options.get("include_usage"))
         if strip_usage:
             upstream_body["stream_options"] = {**options, "include_usage": True}
         return upstream_body, strip_usage

@@ -84,6 +84,11 @@ def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
         _check_messages(body)
         _expect(body, "tools", list, "an array")
         _expect(body, "response_format", dict, "an object")
+    elif endpoint == "responses":
+        if not isinstance(body.get("input"), str | list):
+            raise InvalidRequest("'input' is required: a string or an array of input items",
+                                 param="input")
+        _expect(body, "tools", list, "an array")
     elif "prompt" not in body:
         raise InvalidRequest("'prompt' is required", param="prompt")
     return body

@@ -42,9 +42,14 @@ class RequestRecord:
         self.latency_ms = (time.perf_counter() - self.started) * 1000.0
 
     def take_usage(self, usage: Any) -> None:
-        """Copy token counts from an OpenAI ``usage`` object; absent values stay None."""
+        """Copy token counts from an OpenAI ``usage`` object (chat and completions'
+        ``prompt_tokens``..., or the Responses API's ``input_tokens``...); absent values stay None."""
         if not isinstance(usage, dict):
             return
+        if "input_tokens" in usage:  # the Responses API's names
+            usage = {"prompt_tokens": usage.get("input_tokens"),
+                     "completion_tokens": usage.get("output_tokens"),
+                     "prompt_tokens_details": usage.get("input_tokens_details")}
         self.prompt_tokens = _count(usage.get("prompt_tokens"))
         self.completion_tokens = _count(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")

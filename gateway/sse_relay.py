@@ -11,7 +11,10 @@ Events are forwarded byte for byte unless one of these applies:
   chunk carrying a ``finish_reason``; if neither arrives, one extra chunk with
   ``choices: []`` holding them is sent before ``data: [DONE]``.
 
-Usage and the time of the first event are copied into the request record.
+Usage and the time of the first event are copied into the request record (for
+a Responses stream, from the ``response`` of its final ``response.completed`` or
+``response.incomplete`` event, which also ends it as ``data: [DONE]`` ends the
+others; its prefix warnings travel in the header only).
 
 A stream the gateway cannot vouch for is ended, not relayed: a ``data:`` payload
 that is not a JSON object (nor ``[DONE]``), an ``{"error": ...}`` event from the
@@ -33,6 +36,7 @@ from gateway.errors import UpstreamError
 from gateway.request_record import RequestRecord
 
 DONE = b"[DONE]"
+RESPONSES_END = ("response.completed", "response.incomplete", "response.failed")
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 _HAS_FINISH = re.compile(rb'"finish_reason"\s*:(?!\s*null)')
 
@@ -108,6 +112,12 @@ class SseRelay:
 
     def _chunk(self, chunk: dict[str, Any], event: bytes) -> list[bytes]:
         usage = chunk.get("usage")
+        response = chunk.get("response")
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            self.record.take_usage(response["usage"])  # a Responses event: relayed as sent
+            if chunk.get("type") in RESPONSES_END:  # a Responses stream has no [DONE]
+                self.saw_done = True
+            return [event]
         choices = chunk.get("choices")
         is_usage_chunk = isinstance(usage, dict) and choices == []
         if isinstance(usage, dict):

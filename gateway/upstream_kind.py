@@ -73,16 +73,21 @@ def scoped_body(
     """A copy of ``body`` with the cache fields of ``kind``; ``body`` lacks the client's salt.
 
     ``vllm``: ``cache_salt`` derived from the scope and the client's salt (none for a
-    shared tenant without one). ``openai``: no ``cache_salt``; on chat requests a
+    shared tenant without one). ``openai``: no ``cache_salt``; on chat and Responses requests a
     ``prompt_cache_key`` derived from the scope, the family and the client's key or
     salt (legacy completions carry neither field: OpenAI does not list the key there).
     """
     upstream_body = dict(body)
     if kind == "openai":
         client_key = upstream_body.pop(CACHE_KEY_FIELD, None)
-        if "messages" in body:  # chat: the one endpoint whose parameters include the key
+        family_body = body
+        if "input" in body and "messages" not in body:  # Responses: keyed like the chat it stands for
+            from gateway.responses_body import chat_view
+
+            family_body = chat_view(dict(body)) or {"model": body.get("model"), "messages": []}
+        if "messages" in family_body:  # chat and Responses: the endpoints whose parameters include the key
             client_value = client_key if isinstance(client_key, str) else client_salt
-            upstream_body[CACHE_KEY_FIELD] = prompt_cache_key(secret, scope, body, client_value)
+            upstream_body[CACHE_KEY_FIELD] = prompt_cache_key(secret, scope, family_body, client_value)
         return upstream_body
     salt = derive_cache_salt(secret, scope, client_salt)
     if salt is not None:

@@ -38,8 +38,8 @@ from engine.config import EngineConfig
 from engine.core.detokenizer import eos_token_ids
 from engine.core.engine_request import EngineRequest
 from engine.core.engine_stats import EngineStats
-from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput
-from engine.core.sampler import sample
+from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput, TokenLogprobs
+from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.kvcache.kv_cache_manager import KVCacheManager
@@ -269,6 +269,8 @@ class LLMEngine:
             if first and self.first_logits_observer is not None:
                 self.first_logits_observer(req.request_id, logits)
             token = sample(logits, req.params, req.generator)
+            top = req.params.logprobs
+            logprobs = None if top is None else [token_logprobs(logits, token, top)]
             reason = req.append_token(token)
         except Exception as exc:
             logger.exception("request %s failed", req.request_id)
@@ -282,7 +284,7 @@ class LLMEngine:
         finished = reason is not None
         if finished:
             self._release(req)
-        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason)
+        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs)
 
     def _abort_now(self, request_id: str) -> None:
         req = self.scheduler.remove(request_id)
@@ -296,7 +298,8 @@ class LLMEngine:
         self._emit(req, [], text, reason, error)
 
     def _emit(
-        self, req: EngineRequest, tokens: list[int], text: str, reason: str | None, error: str | None = None
+        self, req: EngineRequest, tokens: list[int], text: str, reason: str | None, error: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         output = StepOutput(
             new_token_ids=tokens,
@@ -306,6 +309,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=error,
+            logprobs=logprobs,
         )
         assert req.stream is not None
         if not req.stream.put(output) and reason is None:

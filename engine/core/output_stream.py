@@ -31,6 +31,15 @@ class GenerationRequest:
     mm_items: tuple[MultiModalItem, ...] = ()
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the ``top`` most likely (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class StepOutput:
     """What one engine step produced for a request."""
@@ -42,6 +51,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
 
 
 class OutputStream:

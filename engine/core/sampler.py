@@ -5,12 +5,17 @@ temperatures overflow the division); otherwise logits are divided by the
 temperature, cut to the ``top_k`` largest and to the smallest set whose
 probability reaches ``top_p``, and a token is drawn with the request's own
 ``torch.Generator``, so a seeded request draws the same tokens whatever else runs.
+A request with a grammar ``constraint`` samples from the tokens the grammar
+allows, and the constraint then advances past the token picked.
+:func:`token_logprobs` reports log-probabilities of the raw model distribution
+(before temperature, top-k/p and the grammar), as vLLM does by default.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.core.output_stream import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 
 
@@ -23,6 +28,22 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from 1-D float logits."""
+    if params.constraint is not None:
+        token = _pick(params.constraint.mask(logits), params, generator)
+        params.constraint.accept(token)
+        return token
+    return _pick(logits, params, generator)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The log-probability of ``token`` and of the ``top`` most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    alternatives = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return TokenLogprobs(token, float(logp[token]), alternatives)
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     if params.greedy:
         return int(torch.argmax(logits).item())
     scaled = logits.float() / params.temperature

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20
 
 # Temperatures below this are greedy (vLLM's rule too): dividing float32 logits by
 # something as small as 1e-45 gives inf, and softmax then gives NaN probabilities.
@@ -16,7 +19,11 @@ class SamplingParams:
     ``temperature < MIN_SAMPLING_TEMPERATURE`` (0 included) means greedy (top_p,
     top_k and seed are then irrelevant).
     A set ``seed`` makes the request's sampled tokens reproducible whatever else
-    the engine runs at the same time.
+    the engine runs at the same time. ``logprobs`` (None: none) asks for the
+    sampled token's log-probability and that many most likely alternatives.
+    ``constraint`` is this request's own grammar state
+    (:class:`engine.structured.grammar.GrammarConstraint`, one per sequence, never
+    shared): the sampler masks with it and advances it.
     """
 
     max_tokens: int = 16
@@ -27,6 +34,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -46,6 +55,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"stop_token_ids must be a tuple of non-negative ints, got {self.stop_token_ids!r}"
+            )
+
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
             )
 
     @property

@@ -1,7 +1,8 @@
 """The engine's OpenAI-compatible HTTP server: :func:`create_app` and :func:`run_server`.
 
 Routes (vLLM's OpenAI server surface, so the gateway can front either):
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(stateless, :mod:`engine.server.responses`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``; the handlers live in
 :class:`~engine.server.request_handler.RequestHandler`.
 
@@ -77,6 +78,7 @@ def create_app(engine: LLMEngine, *, allow_remote_images: bool = False,
         Route("/metrics", handler.metrics_endpoint, methods=["GET"]),
         Route("/v1/chat/completions", handler.chat_completions, methods=["POST"]),
         Route("/v1/completions", handler.completions, methods=["POST"]),
+        Route("/v1/responses", handler.responses, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected,

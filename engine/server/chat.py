@@ -11,8 +11,10 @@ messages are normalized so that every template gets plain strings:
 * ``tools`` go to the template when its source mentions ``tools``. Otherwise they
   are not dropped: each tool's JSON (keys in the order given) is written on its own
   line under a header into the system message (a new first system message if there
-  is none), and an assistant message's ``tool_calls`` are appended to its content
-  as JSON, so tools always change the prompt (and its cache key) deterministically.
+  is none), followed by how to call them (:data:`engine.server.tool_calls.CALL_INSTRUCTIONS`),
+  and an assistant message's ``tool_calls`` are appended to its content in that
+  same form, so tools always change the prompt (and its cache key) deterministically
+  and the model sees its earlier calls as it was asked to write them.
 
 Images: a model that does not accept images answers 400 "model does not accept
 images". For an image-capable model (an :class:`ImagePlaceholder` is configured)
@@ -34,6 +36,7 @@ from typing import Any
 from engine.kvcache.block_hash import MultiModalItem
 from engine.server.errors import APIError, invalid_param
 from engine.server.images import ImageData, ImageFetcher, load_image
+from engine.server.tool_calls import CALL_INSTRUCTIONS, render_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_JOIN = "\n"
@@ -206,13 +209,15 @@ def _inline_tools(conversation: list[dict[str, Any]],
     Keys are sorted, as Jinja's ``tojson`` does in templates that render tools, so the
     same tools sent with another key order give the same prompt; tool order is kept.
     """
-    block = "\n".join([TOOLS_HEADER, *(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools)])
+    block = "\n".join([TOOLS_HEADER, *(json.dumps(t, ensure_ascii=False, sort_keys=True) for t in tools),
+                       CALL_INSTRUCTIONS])
     out = [dict(m) for m in conversation]
     for message in out:
         calls = message.pop("tool_calls", None)
         if calls is not None:
             joiner = PART_JOIN if message["content"] else ""
-            message["content"] += joiner + json.dumps(calls, ensure_ascii=False, sort_keys=True)
+            written = calls if isinstance(calls, list) else [calls]
+            message["content"] += joiner + "\n".join(render_call(c) for c in written)
     if out and out[0]["role"] == "system":
         joiner = PART_JOIN + PART_JOIN if out[0]["content"] else ""
         out[0]["content"] += joiner + block

@@ -12,9 +12,14 @@ Rules (each enforced in exactly one place below):
 * JSON ``null`` means "not given" for every optional field, as in OpenAI's API;
 * booleans are never accepted where a number is expected (``True`` is not ``1``);
 * fields this engine does not implement are refused with ``code:
-  "unsupported_parameter"`` when set to anything but their neutral value (``n=1``,
-  ``logprobs=false``, zero penalties, ...), never silently ignored; unknown
-  extra fields are ignored, as vLLM does;
+  "unsupported_parameter"`` when set to anything but their neutral value (zero
+  penalties, no ``logit_bias``, ``echo=false``, ...), never silently ignored;
+  unknown extra fields are ignored, as vLLM does;
+* ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` are checked by
+  :mod:`engine.server.tool_calls`, ``response_format`` by
+  :mod:`engine.server.structured_output`;
+* ``n`` is at most :data:`MAX_N`; chat ``top_logprobs`` needs ``logprobs: true``;
+  completions' ``logprobs`` is the number of alternatives (0 to 20);
 * ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
 * ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
@@ -28,12 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from engine.kvcache.request import MAX_CACHE_SALT_CHARS
 from engine.server.errors import context_length_exceeded, invalid_param, unsupported_param
+from engine.server.structured_output import ResponseFormat, parse_response_format
+from engine.server.tool_calls import ToolChoice, check_tools, parse_tool_choice
 
 MAX_JSON_DEPTH = 128
 MAX_STOP_STRINGS = 16
+MAX_N = 16
+NO_TOOLS = ToolChoice("none")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -55,8 +64,12 @@ class GenerationBody:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    n: int = 1
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = NO_TOOLS
+    response_format: ResponseFormat | None = None
     prompt: str | list[int] | None = None
 
     def text_chars(self) -> int:
@@ -108,6 +121,7 @@ class GenerationBody:
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
         )
 
 
@@ -122,26 +136,30 @@ def parse_chat_body(body: object, vocab_size: int) -> GenerationBody:
     tools = obj.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise invalid_param("'tools' must be an array of tool objects.", "tools")
-    _refuse_unless(obj, "logprobs", (False,), "logprobs are not supported by this engine.")
-    _refuse_unless(obj, "top_logprobs", (0,), "top_logprobs are not supported by this engine.")
-    _check_tool_choice(obj.get("tool_choice"))
-    _check_response_format(obj.get("response_format"))
+    check_tools(tools)
+    tool_choice = parse_tool_choice(obj.get("tool_choice"), tools, obj.get("parallel_tool_calls"))
+    want_logprobs = _opt_bool(obj, "logprobs") or False
+    top = _opt_int(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not want_logprobs:
+        raise invalid_param("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     max_tokens = _opt_int(obj, "max_completion_tokens", 1, _INT64_MAX)
     legacy = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
     return _common(obj, "chat", vocab_size, max_tokens if max_tokens is not None else legacy,
-                   messages=messages, tools=tools or None)
+                   messages=messages, tools=tools or None, tool_choice=tool_choice,
+                   response_format=parse_response_format(obj.get("response_format")),
+                   logprobs=(top or 0) if want_logprobs else None)
 
 
 def parse_completion_body(body: object, vocab_size: int) -> GenerationBody:
     """Validate a legacy completion request body; the prompt is a string or token ids."""
     obj = _require_object(body)
     prompt = _parse_prompt(obj.get("prompt"), vocab_size)
-    _refuse_unless(obj, "logprobs", (), "logprobs are not supported by this engine.")
+    logprobs = _opt_int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)
     _refuse_unless(obj, "echo", (False,), "echo is not supported by this engine.")
     _refuse_unless(obj, "suffix", ("",), "suffix is not supported by this engine.")
     _refuse_unless(obj, "best_of", (1,), "best_of other than 1 is not supported by this engine.")
     max_tokens = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
-    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt)
+    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt, logprobs=logprobs)
 
 
 def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | None,
@@ -149,9 +167,7 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid_param("'model' must be a string.", "model")
-    n = _opt_int(obj, "n", 1, _INT64_MAX)
-    if n is not None and n != 1:
-        raise unsupported_param(f"n={n} is not supported: this engine returns one choice (n=1).", "n")
+    n = _opt_int(obj, "n", 1, MAX_N)
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("repetition_penalty", 1.0)):
         value = _opt_number(obj, name, -2.0 if neutral == 0.0 else 0.0, 2.0)
@@ -179,6 +195,7 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
         stop=_stop(obj.get("stop")),
         stop_token_ids=_stop_token_ids(obj.get("stop_token_ids"), vocab_size),
         ignore_eos=_opt_bool(obj, "ignore_eos") or False,
+        n=n or 1,
         **inputs,
     )
 
@@ -338,24 +355,3 @@ def _parse_prompt(value: object, vocab_size: int) -> str | list[int]:
         f"'prompt' must be a non-empty string or a non-empty array of token ids in [0, {vocab_size}).",
         "prompt",
     )
-
-
-def _check_tool_choice(value: object) -> None:
-    if value is None or value in ("none", "auto"):
-        return
-    raise unsupported_param(
-        "Only tool_choice 'auto' and 'none' are supported: this engine does not force tool calls.",
-        "tool_choice",
-    )
-
-
-def _check_response_format(value: object) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise invalid_param("'response_format' must be an object with a 'type'.", "response_format")
-    if value["type"] != "text":
-        raise unsupported_param(
-            f"response_format type {value['type']!r} is not supported; only 'text' is.",
-            "response_format",
-        )

@@ -1,17 +1,24 @@
 """RequestHandler: the endpoints of the engine's OpenAI-compatible server, for one engine.
 
-Flow of one generation request (``POST /v1/chat/completions`` or ``/v1/completions``):
+Flow of one generation request (``POST /v1/chat/completions``, ``/v1/completions``
+or ``/v1/responses``):
 
 1. the body is read with a byte bound (413 past ``max_body_bytes``);
 2. in a worker thread (the event loop never decodes JSON, tokenizes or touches
    torch), the body is decoded (400 for malformed JSON), validated
-   (:mod:`engine.server.protocol`), the model name checked (404), a prompt too
-   long by its size alone refused (400), the prompt rendered and tokenized (:mod:`engine.server.chat`) and its length checked (400
-   ``context_length_exceeded``);
-3. the request is submitted to the engine, whose own thread runs it;
+   (:mod:`engine.server.protocol`; a Responses body is first translated to chat by
+   :mod:`engine.server.responses`), the model name checked (404), a prompt too
+   long by its size alone refused (400), the prompt rendered and tokenized
+   (:mod:`engine.server.chat`) and its length checked (400
+   ``context_length_exceeded``), and the output grammar, if any, compiled
+   (:mod:`engine.server.structured_output`, 400 ``invalid_schema``); each of the
+   ``n`` choices gets its own grammar state and seed (``seed + i``);
+3. the choices are submitted to the engine (:class:`~engine.server.fanout.ChoiceFanout`:
+   choice 0 first, the rest once its prompt is cached), whose own thread runs them;
 4. outputs are streamed as SSE (:class:`~engine.server.event_stream.EventStreamResponse`)
-   or collected; if the client goes away first the engine request is cancelled, so
-   its KV blocks are freed. TTFT (arrival to first token) goes to the metrics.
+   or collected, tool calls split from the text (:mod:`engine.server.tool_calls`);
+   if the client goes away first the engine requests are cancelled, so their KV
+   blocks are freed. TTFT (arrival to first token) goes to the metrics.
 
 Handlers raise :class:`~engine.server.errors.APIError`; ``engine.server.app`` turns it into
 the response, so errors are translated in one place.
@@ -20,7 +27,10 @@ the response, so errors are translated in one place.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,29 +42,36 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from engine.core.llm_engine import GenerationRequest, LLMEngine, OutputStream, StepOutput
+from engine.core.llm_engine import GenerationRequest, LLMEngine, StepOutput
+from engine.core.output_stream import TokenLogprobs
 from engine.server import errors
 from engine.server.chat import ChatRenderer
 from engine.server.errors import APIError
 from engine.server.event_stream import EventStreamResponse
+from engine.server.fanout import ChoiceFanout
 from engine.server.images import http_fetcher
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
-from engine.server.response_builder import SSE_DONE, ResponseBuilder, Usage, sse_event
+from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
+from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
+from engine.server.structured_output import grammar_for
+from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Prepared:
+    kind: str  # "chat" | "completion" | "responses"
     body: GenerationBody
-    request: GenerationRequest
+    fanout: ChoiceFanout
     builder: ResponseBuilder
+    responses: ResponsesBuilder | None = None
 
 
 @dataclass
 class _Tally:
-    """What the outputs of one request add up to."""
+    """What the outputs of one choice add up to."""
 
     text: str = ""
     completion_tokens: int = 0
@@ -63,6 +80,7 @@ class _Tally:
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     def add(self, out: StepOutput) -> None:
         if out.new_token_ids and self.first_token_at is None:
@@ -71,12 +89,17 @@ class _Tally:
         self.completion_tokens += len(out.new_token_ids)
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
 
-    def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+def _usage(tallies: list[_Tally]) -> Usage:
+    """The prompt counted once (choice 0's), completion tokens summed over the choices."""
+    return Usage(tallies[0].prompt_tokens, sum(t.completion_tokens for t in tallies),
+                 tallies[0].cached_tokens)
 
 
 class RequestHandler:
@@ -96,6 +119,9 @@ class RequestHandler:
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
         self.metrics = EngineMetrics(engine, engine.model_id)
         self.created = int(time.time())
+        self._compiler: Any = None  # GrammarCompiler, built on first use (about a second)
+        self._compiler_lock = threading.Lock()
+        self._token_text_lock = threading.Lock()
 
     # ------------------------------------------------------------- simple GETs
     async def health(self, request: Request) -> Response:
@@ -120,23 +146,27 @@ class RequestHandler:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
         try:
-            prepared, stream = await self._admit(request, kind)
+            prepared = await self._admit(request, kind)
         except APIError as exc:
             self.metrics.count_request(kind, "client_error" if exc.status_code < 500 else "error")
             raise
         if prepared.body.stream:
-            return self._stream(stream, prepared, kind, arrival)
-        return await self._respond(stream, prepared, kind, arrival, request.receive)
+            return self._stream(prepared, arrival)
+        return await self._respond(prepared, arrival, request.receive)
 
-    async def _admit(self, request: Request, kind: str) -> tuple[_Prepared, OutputStream]:
+    async def _admit(self, request: Request, kind: str) -> _Prepared:
         """Read, validate, tokenize and submit; every refusal is an APIError."""
         raw = await self._read_body(request)
         try:
             prepared = await run_in_threadpool(self._prepare, raw, kind)
-            return prepared, self.engine.submit(prepared.request)
+            prepared.fanout.submit_first()
+            return prepared
         except ValueError as exc:  # user input refused below protocol.py, naming its value
             raise errors.invalid_param(str(exc), None) from exc
         except RecursionError as exc:  # caused by the body's shape, not by the engine
@@ -169,10 +199,18 @@ class RequestHandler:
             raw = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise errors.malformed_json(str(exc)) from exc
-        if kind == "chat":
-            body = parse_chat_body(raw, self.vocab_size)
-        else:
+        try:
+            return self._prepare_kind(raw, kind)
+        except APIError as exc:
+            if kind == "responses":  # name the Responses field, not the chat one
+                exc.param = responses_param(exc.param)
+            raise
+
+    def _prepare_kind(self, raw: object, kind: str) -> _Prepared:
+        if kind == "completion":
             body = parse_completion_body(raw, self.vocab_size)
+        else:
+            body = parse_chat_body(to_chat_body(raw) if kind == "responses" else raw, self.vocab_size)
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
         self._refuse_by_size(body)
@@ -189,12 +227,46 @@ class RequestHandler:
             params = body.sampling_params(len(token_ids), self.engine.max_model_len)
         except ValueError as exc:  # SamplingParams' own range checks
             raise errors.invalid_param(str(exc), None) from exc
-        builder = ResponseBuilder(kind, self.engine.model_id, include_usage=body.include_usage)
-        request = GenerationRequest(
-            request_id=builder.id, prompt_token_ids=token_ids, params=params,
-            cache_salt=body.cache_salt, mm_items=mm_items,
-        )
-        return _Prepared(body, request, builder)
+        grammar = None
+        if body.tool_choice.forced or body.response_format is not None:
+            grammar = grammar_for(self.compiler(), body.tool_choice, body.tools, body.response_format)
+        if grammar is not None and body.ignore_eos:  # a complete grammar allows only EOS
+            raise errors.invalid_param("'ignore_eos' cannot be combined with a response_format "
+                                       "or a forced tool_choice.", "ignore_eos")
+        builder = ResponseBuilder("completion" if kind == "completion" else "chat",
+                                  self.engine.model_id, include_usage=body.include_usage,
+                                  token_text=self._token_text)
+        requests = []
+        for i in range(body.n):
+            choice_params = dataclasses.replace(
+                params,
+                seed=None if params.seed is None else params.seed + i,
+                constraint=None if grammar is None else self.compiler().constraint(grammar),
+            )
+            requests.append(GenerationRequest(
+                request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
+                prompt_token_ids=token_ids, params=choice_params,
+                cache_salt=body.cache_salt, mm_items=mm_items,
+            ))
+        responses = None
+        if kind == "responses":
+            assert isinstance(raw, dict)  # to_chat_body checked it
+            responses = ResponsesBuilder(self.engine.model_id, raw)
+        return _Prepared(kind, body, ChoiceFanout(self.engine, requests), builder, responses)
+
+    def compiler(self) -> Any:
+        """The grammar compiler for this engine's tokenizer, built once on first use."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from engine.structured.grammar import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self.engine.tokenizer, self.vocab_size)
+            return self._compiler
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 -- one handler per app, bounded
+    def _token_text(self, token_id: int) -> str:
+        with self._token_text_lock:
+            return str(self.engine.tokenizer.decode([token_id]))
 
     def _refuse_by_size(self, body: GenerationBody) -> None:
         """A prompt whose text alone cannot fit in the context is refused before it is
@@ -214,10 +286,9 @@ class RequestHandler:
                 "messages" if body.kind == "chat" else "prompt",
             )
 
-    async def _respond(self, stream: OutputStream, prepared: _Prepared, kind: str, arrival: float,
-                       receive: Receive) -> Response:
-        tally = _Tally()
-        collect = asyncio.ensure_future(_drain(stream, tally))
+    async def _respond(self, prepared: _Prepared, arrival: float, receive: Receive) -> Response:
+        tallies = [_Tally() for _ in range(prepared.body.n)]
+        collect = asyncio.ensure_future(_drain(prepared.fanout, tallies))
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -225,57 +296,95 @@ class RequestHandler:
             gone.cancel()
             if not collect.done():
                 collect.cancel()
-                stream.cancel()
         if collect not in done:
-            self.metrics.count_request(kind, "abort")
-            logger.info("client went away; cancelled %s", prepared.request.request_id)
+            self.metrics.count_request(prepared.kind, "abort")
+            logger.info("client went away; cancelled %s", prepared.builder.id)
             return Response(status_code=499)
         collect.result()
-        self._finish_metrics(tally, kind, arrival)
-        _raise_for_failure(tally)
-        assert tally.finish_reason is not None
-        body = prepared.builder.full(tally.text, tally.finish_reason, tally.usage())
-        return Response(orjson.dumps(body), media_type="application/json")
+        self._finish_metrics(tallies, prepared.kind, arrival)
+        for tally in tallies:
+            _raise_for_failure(tally)
+        body = prepared.body
+        choices = []
+        for index, tally in enumerate(tallies):
+            assert tally.finish_reason is not None
+            text, calls = extract_tool_calls(tally.text, body.tool_choice, body.tools)
+            choices.append(Choice(index, text, tally.finish_reason, calls, tally.logprobs))
+        if prepared.responses is not None:
+            c = choices[0]
+            out = prepared.responses.full(c.text, c.tool_calls, c.finish_reason, _usage(tallies))
+        else:
+            out = prepared.builder.full(choices, _usage(tallies))
+        return Response(orjson.dumps(out), media_type="application/json")
 
-    def _stream(self, stream: OutputStream, prepared: _Prepared, kind: str,
-                arrival: float) -> Response:
-        tally = _Tally()
-        builder = prepared.builder
+    def _stream(self, prepared: _Prepared, arrival: float) -> Response:
+        body, builder, responses = prepared.body, prepared.builder, prepared.responses
+        tallies = [_Tally() for _ in range(body.n)]
+        splitters = [ToolCallStream(body.tool_choice, body.tools) for _ in range(body.n)]
 
         async def events() -> AsyncIterator[bytes]:
-            async for out in stream:
+            if responses is not None:
+                for event in responses.start():
+                    yield event
+            async for index, out in prepared.fanout.outputs():
+                tally = tallies[index]
                 tally.add(out)
-                if out.new_text:
-                    yield sse_event(builder.delta(out.new_text))
-            self._finish_metrics(tally, kind, arrival)
-            try:
-                _raise_for_failure(tally)
-            except APIError as exc:
-                yield sse_event(exc.to_dict())
-                yield SSE_DONE
+                text, calls = splitters[index].feed(out.new_text)
+                if out.finished:
+                    text += splitters[index].finish()
+                if responses is not None:
+                    for event in (responses.text(text) if text else []) + responses.calls(calls):
+                        yield event
+                else:
+                    if text or out.logprobs:
+                        yield sse_event(builder.delta(text, index, out.logprobs))
+                    if calls:
+                        yield sse_event(builder.tool_calls(calls, index))
+                if not out.finished:
+                    continue
+                try:
+                    _raise_for_failure(tally)
+                except APIError as exc:
+                    self._finish_metrics(tallies, prepared.kind, arrival)
+                    if responses is not None:
+                        yield responses.error(exc.to_dict()["error"])
+                        return
+                    yield sse_event(exc.to_dict())
+                    yield SSE_DONE
+                    return
+                assert tally.finish_reason is not None
+                if responses is None:
+                    yield sse_event(builder.finish(tally.finish_reason, index))
+            self._finish_metrics(tallies, prepared.kind, arrival)
+            if responses is not None:
+                assert tallies[0].finish_reason is not None
+                for event in responses.finish(tallies[0].finish_reason, _usage(tallies)):
+                    yield event
                 return
-            assert tally.finish_reason is not None
-            yield sse_event(builder.finish(tally.finish_reason))
             if builder.include_usage:
-                yield sse_event(builder.usage_chunk(tally.usage()))
+                yield sse_event(builder.usage_chunk(_usage(tallies)))
             yield SSE_DONE
 
         def on_close() -> None:
-            if tally.finish_reason is None:
-                stream.cancel()
-                self.metrics.count_request(kind, "abort")
+            if any(t.finish_reason is None for t in tallies):
+                for stream in prepared.fanout.streams:
+                    stream.cancel()
+                self.metrics.count_request(prepared.kind, "abort")
 
         return EventStreamResponse(events(), on_close)
 
-    def _finish_metrics(self, tally: _Tally, kind: str, arrival: float) -> None:
-        if tally.first_token_at is not None:
-            self.metrics.observe_ttft(tally.first_token_at - arrival)
-        self.metrics.count_request(kind, tally.finish_reason or "error")
+    def _finish_metrics(self, tallies: list[_Tally], kind: str, arrival: float) -> None:
+        firsts = [t.first_token_at for t in tallies if t.first_token_at is not None]
+        if firsts:
+            self.metrics.observe_ttft(min(firsts) - arrival)
+        failed = next((t.finish_reason or "error" for t in tallies
+                       if t.finish_reason in (None, "error", "abort")), None)
+        self.metrics.count_request(kind, failed or tallies[0].finish_reason or "error")
 
 
-async def _drain(stream: OutputStream, tally: _Tally) -> None:
-    async for out in stream:
-        tally.add(out)
+async def _drain(fanout: ChoiceFanout, tallies: list[_Tally]) -> None:
+    async for index, out in fanout.outputs():
+        tallies[index].add(out)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from engine import hash_block_chain
 from engine.server.chat import PART_JOIN, ROLES, TOOLS_HEADER, ChatRenderer, ImagePlaceholder
 from engine.server.errors import APIError
+from engine.server.tool_calls import CALL_INSTRUCTIONS
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}> {{ m.content }} </{{ m.role }}>\n{% endfor %}"
@@ -133,7 +134,9 @@ def test_tools_are_written_into_the_system_message_when_the_template_ignores_the
     lines = conv[0]["content"].split("\n")
     assert lines[0] == "sys" and lines[2] == TOOLS_HEADER
     assert '"name": "get_weather"' in lines[3] and '"name": "get_time"' in lines[4]
-    assert "tool_calls" not in conv[2] and '"c1"' in conv[2]["content"]
+    assert lines[-1] == CALL_INSTRUCTIONS
+    assert "tool_calls" not in conv[2]
+    assert conv[2]["content"] == '<tool_call>{"arguments": null, "name": "get_time"}</tool_call>'
 
 
 def test_inlined_tools_change_the_prompt_and_their_order_matters():

@@ -9,6 +9,7 @@ from engine.server.protocol import parse_chat_body, parse_completion_body
 
 VOCAB = 1000
 MSGS = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
 def chat(**fields):
@@ -98,6 +99,23 @@ def test_stop_list_and_integral_float_ints():
         ({"messages": ["hi"]}, "messages"),
         ({"tools": {"a": 1}}, "tools"),
         ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+         "response_format.json_schema.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+         "response_format.json_schema.schema"),
+        ({"n": 17}, "n"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+         "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name"),
     ],
 )
 def test_bad_types_and_ranges_are_400_naming_the_field(fields, param):
@@ -107,20 +125,29 @@ def test_bad_types_and_ranges_are_400_naming_the_field(fields, param):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1}, "frequency_penalty"),
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_unimplemented_features_are_refused_clearly(fields, param):
     err = refused(parse_chat_body, {"messages": MSGS, **fields}, param, code="unsupported_parameter")
     assert "not supported" in err.message or "Only" in err.message
+
+
+def test_openai_features_reach_the_body_and_params():
+    body = chat(n=3, logprobs=True, top_logprobs=2, tools=TOOLS, parallel_tool_calls=False,
+                tool_choice={"type": "function", "function": {"name": "get_time"}},
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "t", "schema": {"type": "object"}, "strict": True}})
+    assert body.n == 3 and body.logprobs == 2
+    assert body.sampling_params(10, 100).logprobs == 2
+    assert (body.tool_choice.mode, body.tool_choice.name, body.tool_choice.parallel) == ("named", "get_time", False)
+    assert body.response_format is not None and body.response_format.schema == {"type": "object"}
+    assert chat(logprobs=True).logprobs == 0 and chat().logprobs is None
+    assert chat(tools=TOOLS).tool_choice.mode == "auto" and chat().tool_choice.mode == "none"
+    assert parse_completion_body({"prompt": "x", "logprobs": 3, "n": 2}, VOCAB).logprobs == 3
 
 
 @pytest.mark.parametrize("salt", ["", "x" * 1025, 5, ["a"], True])
@@ -175,10 +202,11 @@ def test_completion_default_max_tokens_is_16_within_the_context():
         ({"prompt": {"text": "x"}}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "n": 3}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ],
 )
@@ -196,7 +224,7 @@ JSON = st.recursive(
 FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "seed", "max_tokens",
           "max_completion_tokens", "stop", "stop_token_ids", "n", "stream", "stream_options", "logprobs",
           "top_logprobs", "cache_salt", "tools", "tool_choice", "response_format", "presence_penalty",
-          "logit_bias", "ignore_eos", "echo", "best_of", "suffix", "min_tokens"]
+          "logit_bias", "ignore_eos", "echo", "best_of", "suffix", "min_tokens", "parallel_tool_calls"]
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding: compiled grammars (cached by spec) and per-request token masks."""
