@@ -51,33 +51,13 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "server"))
 from bad_requests import cases, check_answer  # noqa: E402
+from servers import free_port, wait_healthy  # noqa: E402  (this directory)
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "SmolLM2-135M-Instruct"
 FAULTS = ["500", "503", "invalid_json"]  # any request
 STREAM_FAULTS = [*FAULTS, "malformed_event", "error_event", "cut"]  # after the first event of a stream
 TENANT_KEYS = {name: f"campaign-key-{name}" for name in ("alpha", "beta", "faults", "cancel")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {process.returncode} during start-up")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{url} did not become healthy")
-        time.sleep(0.25)
 
 
 # --------------------------------------------------------------------------- fault proxy

@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from servers import free_port, wait_healthy  # this directory
 
 from gateway.replica_spec import DEFAULT_LOAD_COST_TOKENS, DEFAULT_MISS_WEIGHT
 
@@ -58,27 +58,6 @@ MODEL = "SmolLM2-135M-Instruct"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 WORDS = ["river", "bridge", "lantern", "copper", "meadow", "orchard", "harbor", "violet", "canyon", "ember",
          "willow", "quartz", "falcon", "saddle", "thistle", "beacon", "marble", "juniper", "cobalt", "prairie"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {process.returncode}: {process.args}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not healthy after {timeout} s")
-        time.sleep(0.5)
 
 
 @contextmanager

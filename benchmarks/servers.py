@@ -31,6 +31,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = READY_TIMEOUT_S) -> None:
+    """Poll ``url/health`` until it answers 200; ``RuntimeError`` if ``process`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: {process.args!r} exited with {process.returncode} during start-up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def _running(argv: list[str], port: int, log: Path) -> Iterator[str]:
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -38,16 +52,10 @@ def _running(argv: list[str], port: int, log: Path) -> Iterator[str]:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{argv[0]} not healthy after {READY_TIMEOUT_S} s; see {log}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(base, proc)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; see {log}") from None
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):
