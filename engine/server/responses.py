@@ -136,7 +136,10 @@ def _content(content: object, param: str) -> object:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+        if kind in ("input_text", "output_text", "text"):
+            if not isinstance(part.get("text"), str):
+                raise invalid_param(f"{param}.content[{j}].text must be a string.",
+                                    f"{param}.content[{j}].text", "invalid_type")
             parts.append({"type": "text", "text": part["text"]})
         else:
             raise unsupported_param(f"{param}.content[{j}] of type {kind!r} is not supported; "

@@ -38,6 +38,7 @@ def test_items_become_messages_tools_and_formats():
     ({"input": [{"type": "reasoning"}]}, "input[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 7}]}]}, "input[0].content[0].text"),
 ])
 def test_refusals_name_the_param(body, param):
     with pytest.raises(APIError) as info:
