@@ -78,6 +78,20 @@ class Replica:
         self.healthy = healthy
 
 
+class _SentMark:
+    """The ``on_sent`` hook handed to the upstream: remembers that the request went out
+    (so it is never retried) and forwards to the caller's own hook."""
+
+    def __init__(self, on_sent: Callable[[], None] | None) -> None:
+        self.sent = False
+        self.on_sent = on_sent
+
+    def __call__(self) -> None:
+        self.sent = True
+        if self.on_sent is not None:
+            self.on_sent()
+
+
 class Route:
     """Where one request goes; :meth:`post` / :meth:`stream` retry before anything was sent."""
 
@@ -130,34 +144,20 @@ class Route:
 
     async def post(self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
                    ) -> tuple[dict[str, Any], bytes]:
-        sent = False
-
-        def mark() -> None:
-            nonlocal sent
-            sent = True
-            if on_sent is not None:
-                on_sent()
-
+        mark = _SentMark(on_sent)
         replica = self.replica or self._pick()
         while True:
             try:
                 return await replica.upstream.post(path, content, mark)
             except GatewayError as error:
-                if not self._retry_after(error, sent):
+                if not self._retry_after(error, mark.sent):
                     raise
                 replica = self._pick()
 
     @asynccontextmanager
     async def stream(self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
                      ) -> AsyncIterator[AsyncIterator[bytes]]:
-        sent = False
-
-        def mark() -> None:
-            nonlocal sent
-            sent = True
-            if on_sent is not None:
-                on_sent()
-
+        mark = _SentMark(on_sent)
         replica = self.replica or self._pick()
         while True:
             stack = contextlib.AsyncExitStack()
@@ -165,7 +165,7 @@ class Route:
                 chunks = await stack.enter_async_context(replica.upstream.stream(path, content, mark))
             except GatewayError as error:
                 await stack.aclose()
-                if not self._retry_after(error, sent):
+                if not self._retry_after(error, mark.sent):
                     raise
                 replica = self._pick()
                 continue
