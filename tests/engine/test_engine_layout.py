@@ -14,7 +14,7 @@ ALLOWED = {  # subpackage -> subpackages it may import (besides itself)
     "kvcache": set(),
     "model": {"kvcache", "config", "model_store"},
     "core": {"model", "kvcache", "config"},
-    "server": {"core", "kvcache", "config", "structured"},
+    "server": {"core", "kvcache", "config", "structured", "image_content"},
     "structured": set(),  # grammar-constrained decoding: llguidance + torch, nothing of ours
 }
 
