@@ -49,7 +49,7 @@ from engine.server.chat import ChatRenderer
 from engine.server.errors import APIError
 from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
-from engine.server.images import http_fetcher
+from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
@@ -105,15 +105,15 @@ def _usage(tallies: list[_Tally]) -> Usage:
 class RequestHandler:
     """The request handlers of one app, bound to one engine (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, *, allow_remote_images: bool, max_body_bytes: int) -> None:
+    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, max_body_bytes: int) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.renderer = ChatRenderer(
             engine.tokenizer,
             supports_images=engine.supports_images,
             image_placeholder=getattr(engine, "image_placeholder", None),
-            allow_remote_images=allow_remote_images,
-            fetch=http_fetcher() if allow_remote_images else None,
+            allow_remote_images=media.allows_remote,
+            fetch=media.fetcher(),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))

@@ -218,9 +218,10 @@ def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_en
 def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
     """Each token covers at most `max_token_chars` characters: past that many per token of
     context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
+    from engine.server.images import MediaPolicy
     from engine.server.request_handler import RequestHandler
 
-    handler = RequestHandler(tiny_engine, allow_remote_images=False, max_body_bytes=64 * 1024 * 1024)
+    handler = RequestHandler(tiny_engine, media=MediaPolicy(), max_body_bytes=64 * 1024 * 1024)
     per_token = handler.renderer.max_token_chars
     assert per_token is not None and per_token >= max(len(t) for t in tiny_engine.tokenizer.get_vocab())
     calls = []
