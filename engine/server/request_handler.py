@@ -53,7 +53,7 @@ from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
-from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
+from engine.server.responses import ResponsesBuilder, responses_param, translate
 from engine.server.structured_output import grammar_for
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
@@ -199,18 +199,23 @@ class RequestHandler:
             raw = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise errors.malformed_json(str(exc)) from exc
+        origins: list[str] = []  # Responses: the input item each chat message came from
         try:
-            return self._prepare_kind(raw, kind)
+            return self._prepare_kind(raw, kind, origins)
         except APIError as exc:
             if kind == "responses":  # name the Responses field, not the chat one
-                exc.param = responses_param(exc.param)
+                exc.param = responses_param(exc.param, origins)
             raise
 
-    def _prepare_kind(self, raw: object, kind: str) -> _Prepared:
+    def _prepare_kind(self, raw: object, kind: str, origins: list[str]) -> _Prepared:
         if kind == "completion":
             body = parse_completion_body(raw, self.vocab_size)
+        elif kind == "responses":
+            chat, found = translate(raw)
+            origins.extend(found)
+            body = parse_chat_body(chat, self.vocab_size)
         else:
-            body = parse_chat_body(to_chat_body(raw) if kind == "responses" else raw, self.vocab_size)
+            body = parse_chat_body(raw, self.vocab_size)
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
         self._refuse_by_size(body)

@@ -115,6 +115,20 @@ def test_images_on_a_text_only_model(client, tiny_engine):
         assert "model does not accept images" in error["message"]
 
 
+def test_responses_input_image_errors_name_the_input_item_and_part(client, tiny_engine):
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+    content = [{"type": "input_text", "text": "what is this"},
+               {"type": "input_image", "image_url": png, "detail": "auto"}]
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     instructions="Be brief.", input=[{"role": "user", "content": content}])
+    error = assert_error_shape(body, param="input[0].content[1]")
+    assert "model does not accept images" in error["message"]
+    bad_detail = [{"type": "input_image", "image_url": png, "detail": "huge"}]
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     input=[{"role": "user", "content": "hi"}, {"role": "user", "content": bad_detail}])
+    assert_error_shape(body, param="input[1].content[0].detail")
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b'{"messages": [', b"\xff\xfe"])
 def test_malformed_json_is_400(live, raw):
     resp = httpx.post(live.api_url + "/chat/completions", content=raw, headers={"content-type": "application/json"})
