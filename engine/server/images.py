@@ -19,8 +19,6 @@ sent twice (whatever its encoding or base64 line wrapping) yields the same block
 
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from engine.image_content import content_hash, decode_image
+from engine.image_content import content_hash, data_url_bytes, decode_image
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -63,23 +61,7 @@ class ImageData:
 
 def decode_data_url(url: str) -> ImageData:
     """Decode ``data:<media type>;base64,<payload>``; ValueError naming what is wrong."""
-    if not url.startswith("data:"):
-        raise ValueError(f"not a data: URL: {url[:40]!r}")
-    header, sep, payload = url[5:].partition(",")
-    if not sep:
-        raise ValueError("data: URL has no ',' before its payload")
-    params = header.split(";")
-    media_type = params[0].strip().lower() or "text/plain"
-    if "base64" not in (p.strip().lower() for p in params[1:]):
-        raise ValueError("data: URL must be base64-encoded (';base64,')")
-    if not media_type.startswith("image/"):
-        raise ValueError(f"data: URL media type must be image/*, got {media_type!r}")
-    compact = "".join(payload.split())
-    try:
-        data = base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"data: URL payload is not valid base64: {exc}") from exc
-    return ImageData.from_bytes(data)
+    return ImageData.from_bytes(data_url_bytes(url)[1])
 
 
 def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = None) -> ImageData:
