@@ -21,7 +21,12 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
 )
-from engine.server.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES, MediaPolicy
+from engine.server.images import (
+    FETCH_TIMEOUT_S,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES_PER_REQUEST,
+    MediaPolicy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,10 @@ def add_parser(subparsers: Any) -> None:
                         metavar="SECONDS",
                         help=f"time limit of one remote image fetch, redirects included "
                         f"(default: {FETCH_TIMEOUT_S:g}); at most {MAX_IMAGE_BYTES // 2**20} MiB are read")
+    parser.add_argument("--max-images-per-request", type=_positive_int, default=MAX_IMAGES_PER_REQUEST,
+                        metavar="N",
+                        help="image parts one request may carry; more is a 400 before any is decoded "
+                        f"(default: {MAX_IMAGES_PER_REQUEST})")
     parser.add_argument("--allow-remote-images", nargs=0, action=_Replaced, help=argparse.SUPPRESS,
                         replacement="--allowed-media-domains HOST [HOST ...]")
     parser.add_argument("--no-prefix-caching", action="store_true",
@@ -120,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
             from engine.server.kv_event_publisher import KVEventsConfig
 
             events_config = KVEventsConfig.from_json(args.kv_events_config)
-        media = MediaPolicy(frozenset(args.allowed_media_domains), timeout_s=args.media_fetch_timeout)
+        media = MediaPolicy(frozenset(args.allowed_media_domains), timeout_s=args.media_fetch_timeout,
+                            max_images_per_request=args.max_images_per_request)
     except ValueError as exc:
         logger.error("invalid engine settings: %s", exc)
         return 2

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
+MAX_IMAGES_PER_REQUEST = 8
 
 ImageFetcher = Callable[[str], bytes]
 
@@ -83,7 +84,10 @@ def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = 
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Which remote image URLs the server fetches: none unless ``allowed_domains`` names hosts.
+    """Which remote image URLs the server fetches (none unless ``allowed_domains`` names hosts),
+    and how many images one request may carry (each decoded image is held until the
+    request is rendered: ``max_images_per_request`` x
+    :data:`engine.image_content.MAX_IMAGE_PIXELS` bounds it).
 
     Hosts match exactly, case-insensitively (``example.com`` does not allow
     ``cdn.example.com``). ``timeout_s`` bounds a whole fetch, redirects included.
@@ -92,6 +96,7 @@ class MediaPolicy:
     allowed_domains: frozenset[str] = frozenset()
     timeout_s: float = FETCH_TIMEOUT_S
     max_bytes: int = MAX_IMAGE_BYTES
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
 
     def __post_init__(self) -> None:
         domains = frozenset(d.strip().lower().rstrip(".") for d in self.allowed_domains)
@@ -103,6 +108,8 @@ class MediaPolicy:
             raise ValueError(f"media fetch timeout must be > 0 seconds, got {self.timeout_s!r}")
         if self.max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes!r}")
+        if self.max_images_per_request < 1:
+            raise ValueError(f"max_images_per_request must be >= 1, got {self.max_images_per_request!r}")
 
     @property
     def allows_remote(self) -> bool:

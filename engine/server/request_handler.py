@@ -107,6 +107,7 @@ class RequestHandler:
 
     def __init__(self, engine: LLMEngine, *, media: MediaPolicy, max_body_bytes: int) -> None:
         self.engine = engine
+        self.media = media
         self.max_body_bytes = max_body_bytes
         self.renderer = ChatRenderer(
             engine.tokenizer,
@@ -219,6 +220,7 @@ class RequestHandler:
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
         self._refuse_by_size(body)
+        self._refuse_by_image_count(body)
         mm_items: tuple[Any, ...] = ()
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
@@ -272,6 +274,21 @@ class RequestHandler:
     def _token_text(self, token_id: int) -> str:
         with self._token_text_lock:
             return str(self.engine.tokenizer.decode([token_id]))
+
+    def _refuse_by_image_count(self, body: GenerationBody) -> None:
+        """More image parts than the media policy allows are refused before any is decoded
+        or fetched (bounded work per request); the param names the first one too many."""
+        limit = self.media.max_images_per_request
+        seen = 0
+        for i, message in enumerate(body.messages or ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    seen += 1
+                    if seen > limit:
+                        raise errors.invalid_param(
+                            f"At most {limit} images are accepted per request (--max-images-per-request).",
+                            f"messages[{i}].content[{j}]", "too_many_images")
 
     def _refuse_by_size(self, body: GenerationBody) -> None:
         """A prompt whose text alone cannot fit in the context is refused before it is

@@ -115,6 +115,19 @@ def test_images_on_a_text_only_model(client, tiny_engine):
         assert "model does not accept images" in error["message"]
 
 
+def test_more_images_than_the_policy_allows_are_refused_before_any_is_decoded(client, tiny_engine):
+    never_decoded = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}}
+    content = [{"type": "text", "text": "compare"}, *[never_decoded] * 9]
+    body = sdk_error(client.chat.completions.create, 400, model=tiny_engine.model_id,
+                     messages=[{"role": "user", "content": content}])
+    error = assert_error_shape(body, code="too_many_images", param="messages[0].content[9]")
+    assert "At most 8 images" in error["message"]
+    parts = [{"type": "input_image", "image_url": "data:image/png;base64,@@", "detail": "low"}] * 9
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     input=[{"role": "user", "content": parts}])
+    assert_error_shape(body, code="too_many_images", param="input[0].content[8]")
+
+
 def test_responses_input_image_errors_name_the_input_item_and_part(client, tiny_engine):
     png = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
     content = [{"type": "input_text", "text": "what is this"},
