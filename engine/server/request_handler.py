@@ -114,6 +114,7 @@ class RequestHandler:
             image_placeholder=getattr(engine, "image_placeholder", None),
             allow_remote_images=allow_remote_images,
             fetch=http_fetcher() if allow_remote_images else None,
+            image_processor=getattr(engine, "image_processor", None),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
@@ -215,9 +216,10 @@ class RequestHandler:
             raise errors.model_not_found(body.model, self.engine.model_id)
         self._refuse_by_size(body)
         mm_items: tuple[Any, ...] = ()
+        mm_inputs: tuple[Any, ...] = ()
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
-            token_ids, mm_items = rendered.token_ids, rendered.mm_items
+            token_ids, mm_items, mm_inputs = rendered.token_ids, rendered.mm_items, rendered.mm_inputs
         elif isinstance(body.prompt, str):
             token_ids = self.renderer.encode(body.prompt)
         else:
@@ -246,7 +248,7 @@ class RequestHandler:
             requests.append(GenerationRequest(
                 request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
                 prompt_token_ids=token_ids, params=choice_params,
-                cache_salt=body.cache_salt, mm_items=mm_items,
+                cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs,
             ))
         responses = None
         if kind == "responses":

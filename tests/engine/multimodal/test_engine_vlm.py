@@ -1,0 +1,101 @@
+"""Tiny random LLaVA and Idefics3 served by the engine: exactness against transformers'
+``generate``, prefix reuse over image blocks, the encoder cache, batching, cancellation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import ARCHS, image_message, picture
+
+from engine.core.llm_engine import GenerationRequest, SamplingParams
+from engine.server.chat import ChatRenderer
+
+_ids = itertools.count()
+
+
+def render(engine, messages):
+    return ChatRenderer(engine.tokenizer, image_processor=engine.image_processor).render(messages)
+
+
+def request(prompt, *, salt=None, max_tokens=8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return GenerationRequest(f"vlm-{next(_ids)}", list(prompt.token_ids), params, cache_salt=salt,
+                             mm_items=prompt.mm_items, mm_inputs=prompt.mm_inputs)
+
+
+def run(engine, prompt, **kwargs):
+    outputs = engine.submit(request(prompt, **kwargs)).result(timeout=120)
+    assert outputs[-1].error is None, outputs[-1].error
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1].num_cached_tokens
+
+
+def hf_generate(engine, prompt, max_tokens=8):
+    """transformers' own greedy generate over the same token ids and pixels."""
+    (image,) = prompt.mm_inputs
+    ids = torch.tensor([prompt.token_ids])
+    with torch.inference_mode():
+        out = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **image.pixels,
+                                    max_new_tokens=max_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_equals_transformers_generate_cached_uncached_and_chunked(make_vlm_engine, arch, dtype):
+    cached = make_vlm_engine(arch, dtype=dtype)
+    plain = make_vlm_engine(arch, dtype=dtype, enable_prefix_caching=False)
+    chunked = make_vlm_engine(arch, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=7)
+    prompt = render(cached, image_message(picture(1)))
+    (item,) = prompt.mm_items
+    assert item.length > 7  # the chunked engine splits the image over several steps
+    expected = hf_generate(cached, prompt)
+    first, hit = run(cached, prompt)
+    again, hit_again = run(cached, prompt)
+    assert hit == 0 and hit_again > item.offset
+    assert first == again == run(plain, prompt)[0] == run(chunked, prompt)[0] == expected
+    other = render(cached, image_message(picture(2)))
+    assert run(plain, other)[0] == hf_generate(cached, other) != expected  # the model sees the image
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_same_image_reuses_its_blocks_another_image_reuses_none_it_overlaps(make_vlm_engine, arch):
+    bs = 4
+    engine = make_vlm_engine(arch, block_size=bs)
+    cache = engine.embedder.cache
+    first = render(engine, image_message(picture(1)))
+    (item,) = first.mm_items
+    run(engine, first)
+    assert (cache.misses, cache.hits) == (1, 0)
+
+    _, hit = run(engine, render(engine, image_message(picture(1))))
+    full = (len(first.token_ids) - 1) // bs * bs
+    assert hit == full >= item.end  # every block holding the image is reused...
+    assert (cache.misses, cache.hits) == (1, 0)  # ...so the vision tower is not even asked
+
+    other = render(engine, image_message(picture(2)))
+    assert other.token_ids == first.token_ids and other.mm_items[0].identifier != item.identifier
+    _, hit_other = run(engine, other)
+    assert hit_other == item.offset // bs * bs  # nothing from the first block the image touches
+    assert cache.misses == 2
+
+    _, hit_salted = run(engine, first, salt="tenant-b")
+    assert hit_salted == 0 and cache.misses == 3  # the salt isolates blocks and features
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_step_mixing_image_and_text_requests_gives_the_one_at_a_time_outputs(make_vlm_engine, arch):
+    solo_engine = make_vlm_engine(arch, enable_prefix_caching=False)
+    prompts = [
+        render(solo_engine, image_message(picture(3))),
+        render(solo_engine, [{"role": "user", "content": "A question without any picture at all."}]),
+        render(solo_engine, image_message(picture(4), "Describe it.")),
+        render(solo_engine, [{"role": "user", "content": "Hi"}]),
+    ]
+    solo = [run(solo_engine, p)[0] for p in prompts]
+    engine = make_vlm_engine(arch, enable_prefix_caching=False, start=False)
+    streams = [engine.submit(request(p)) for p in prompts]
+    engine.start()  # all four reach the scheduler in one inbox: one step prefills them all
+    together = [s.result(timeout=120) for s in streams]
+    assert [[t for o in outs for t in o.new_token_ids] for outs in together] == solo
