@@ -99,3 +99,46 @@ def test_a_step_mixing_image_and_text_requests_gives_the_one_at_a_time_outputs(m
     engine.start()  # all four reach the scheduler in one inbox: one step prefills them all
     together = [s.result(timeout=120) for s in streams]
     assert [[t for o in outs for t in o.new_token_ids] for outs in together] == solo
+
+
+def test_a_request_cancelled_mid_image_leaks_nothing_and_a_retry_is_exact(make_vlm_engine):
+    reference = make_vlm_engine("idefics3", enable_prefix_caching=False)
+    engine = make_vlm_engine("idefics3", block_size=4, max_num_batched_tokens=8, start=False)
+    prompt = render(engine, image_message(picture(5)))
+    (item,) = prompt.mm_items
+    req = request(prompt)
+    stream = engine.submit(req)
+    for queued in engine._inbox:  # drive the loop by hand: one 8-token chunk, inside the image
+        engine.scheduler.add(queued)
+    engine._inbox.clear()
+    while engine.scheduler.running == [] or engine.scheduler.running[0].num_computed_tokens <= item.offset:
+        engine.step()
+    assert engine.scheduler.running[0].num_computed_tokens < item.end
+    engine.abort(req.request_id)
+    engine.start()
+    assert stream.result(timeout=120)[-1].finish_reason == "abort"
+    assert engine.embedder.cache.misses == 1
+    tokens, hit = run(engine, prompt)  # reuses the blocks the cancelled request had filled
+    assert hit > item.offset
+    assert tokens == run(reference, prompt)[0]
+
+
+def test_the_encoder_cache_is_bounded_and_least_recently_used():
+    from engine.multimodal.encoder_cache import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 64)  # three 4x4 float32 entries
+    calls = []
+
+    def compute(value):
+        return lambda: calls.append(value) or torch.full((4, 4), float(value))
+
+    for key in "abc":
+        cache.get_or_compute((None, key), compute(ord(key)))
+    assert cache.get_or_compute((None, "a"), compute(0))[0, 0] == ord("a")  # a hit moves "a" last
+    cache.get_or_compute((None, "d"), compute(ord("d")))  # evicts "b", the least recently used
+    assert (None, "b") not in cache and (None, "a") in cache and len(cache) == 3 and cache.bytes == 192
+    assert (cache.hits, cache.misses, cache.evictions) == (1, 4, 1)
+    huge = cache.get_or_compute((None, "huge"), lambda: torch.zeros(100, 100))
+    assert huge.shape == (100, 100) and (None, "huge") not in cache and cache.bytes <= cache.max_bytes
+    assert cache.get_or_compute(("salt", "a"), compute(1))[0, 0] == 1  # another salt, another entry
+    assert calls == [ord("a"), ord("b"), ord("c"), ord("d"), 1]

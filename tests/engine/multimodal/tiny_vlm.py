@@ -37,7 +37,7 @@ def build_tiny_llava(tokenizer_dir: str, out: Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import (
         AutoTokenizer,
-        CLIPImageProcessor,
+        CLIPImageProcessorPil,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -56,7 +56,7 @@ def build_tiny_llava(tokenizer_dir: str, out: Path, *, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
                                vision_feature_select_strategy="default", image_token="<image>",
                                num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE.replace(
