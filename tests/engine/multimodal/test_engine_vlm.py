@@ -142,3 +142,26 @@ def test_the_encoder_cache_is_bounded_and_least_recently_used():
     assert huge.shape == (100, 100) and (None, "huge") not in cache and cache.bytes <= cache.max_bytes
     assert cache.get_or_compute(("salt", "a"), compute(1))[0, 0] == 1  # another salt, another entry
     assert calls == [ord("a"), ord("b"), ord("c"), ord("d"), 1]
+
+
+def test_preempted_image_requests_recompute_the_same_tokens(make_vlm_engine):
+    # 12 blocks of 16 tokens: two image requests growing to 9-10 blocks each cannot both fit.
+    engine = make_vlm_engine("idefics3", kv_cache_memory_gib=12 * 16 * 512 / 1024**3, start=False)
+    assert engine.kv_cache_manager.num_blocks == 12
+    engine.scheduler.reserve_horizon = 8  # admit both, then run out of blocks while decoding
+    prompts = [render(engine, image_message(picture(6))), render(engine, image_message(picture(7)))]
+    engine.start()
+
+    def params():
+        return SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    def submit(prompt, rid):
+        return engine.submit(GenerationRequest(rid, list(prompt.token_ids), params(),
+                                               mm_items=prompt.mm_items, mm_inputs=prompt.mm_inputs))
+
+    solo = [[t for o in submit(p, f"solo-{i}").result(timeout=120) for t in o.new_token_ids]
+            for i, p in enumerate(prompts)]
+    streams = [submit(p, f"both-{i}") for i, p in enumerate(prompts)]
+    both = [[t for o in s.result(timeout=120) for t in o.new_token_ids] for s in streams]
+    assert engine.stats().num_preemptions >= 1
+    assert both == solo
