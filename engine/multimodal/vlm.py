@@ -9,8 +9,9 @@ side runs through transformers' own ``get_image_features``, so features are the 
 transformers' ``generate`` computes for the same pixels.
 
 Any other checkpoint that looks multimodal (a ``vision_config``, or an architecture
-named ``...ForConditionalGeneration``) is refused with a ValueError naming what is
-supported; text-only causal LMs are not this module's business.
+named ``...ForConditionalGeneration``), or one of these two whose language model is
+not Llama, is refused with a ValueError naming what is supported; text-only causal
+LMs are not this module's business.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def vlm_architecture(model_dir: Path) -> str | None:
         archs = [archs]
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
+            text_config = config.get("text_config") or {}
+            text_type = text_config.get("model_type", "llama") if isinstance(text_config, dict) else None
+            if text_type != "llama":
+                raise ValueError(
+                    f"{arch} with a {text_type!r} language model is not supported; only Llama language "
+                    f"models are (text_config.model_type 'llama')"
+                )
             return str(arch)
     if "vision_config" in config or any(str(a).endswith("ForConditionalGeneration") for a in archs):
         raise ValueError(

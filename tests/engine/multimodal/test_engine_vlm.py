@@ -165,3 +165,22 @@ def test_preempted_image_requests_recompute_the_same_tokens(make_vlm_engine):
     both = [[t for o in s.result(timeout=120) for t in o.new_token_ids] for s in streams]
     assert engine.stats().num_preemptions >= 1
     assert both == solo
+
+
+def test_images_the_processor_cannot_place_are_400s_naming_the_part(make_vlm_engine):
+    from engine.server.errors import APIError
+
+    engine = make_vlm_engine("llava", start=False)
+    bad = [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(APIError) as info:
+        render(engine, bad)
+    assert info.value.status_code == 400 and info.value.param == "messages[0].content[1].image_url"
+    typed = image_message(picture(1), "a placeholder typed as text: <image>")
+    with pytest.raises(APIError) as info:
+        render(engine, typed)
+    assert info.value.status_code == 400 and info.value.param == "messages"
+    prompt = render(engine, image_message(picture(1)))
+    smuggled = GenerationRequest("smuggled", list(prompt.token_ids), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="image tokens"):
+        engine.submit(smuggled)  # image token ids without their images (e.g. /v1/completions ids)

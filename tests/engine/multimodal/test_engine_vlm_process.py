@@ -19,6 +19,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 from conftest import data_url, picture
 
@@ -111,3 +112,17 @@ def test_an_unsupported_multimodal_architecture_is_a_usage_error(tmp_path):
     assert proc.returncode == 2
     assert "Qwen2VLForConditionalGeneration" in proc.stderr and "LlavaForConditionalGeneration" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_only_llama_language_models_and_the_two_architectures_are_accepted(vlm_dirs, tmp_path):
+    from engine.multimodal.vlm import vlm_architecture
+
+    assert vlm_architecture(vlm_dirs["llava"]) == "LlavaForConditionalGeneration"
+    assert vlm_architecture(vlm_dirs["idefics3"]) == "Idefics3ForConditionalGeneration"
+    config = json.loads((vlm_dirs["llava"] / "config.json").read_text())
+    config["text_config"]["model_type"] = "mistral"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'mistral' language model is not supported"):
+        vlm_architecture(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert vlm_architecture(tmp_path) is None
