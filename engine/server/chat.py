@@ -176,8 +176,6 @@ class ChatRenderer:
         url = spec.get("url") if isinstance(spec, dict) else spec
         try:
             image = load_image(url, allow_remote=self.allow_remote_images, fetch=self.fetch)
-            if self.image_processor is not None:
-                _pil_image(image)  # refuse what cannot be decoded here, naming the part
         except ValueError as exc:
             raise invalid_param(f"{param}.image_url: {exc}", f"{param}.image_url") from exc
         images.append(image)
@@ -191,7 +189,7 @@ class ChatRenderer:
         """The checkpoint's processor over the rendered text and the images (lock held)."""
         assert self.image_processor is not None
         try:
-            out = self.image_processor.encode(text, [_pil_image(i) for i in images], [i.sha256 for i in images])
+            out = self.image_processor.encode(text, [i.image for i in images], [i.sha256 for i in images])
         except ValueError as exc:
             raise invalid_param(f"The images could not be placed in the prompt: {exc}", "messages") from exc
         return ChatPrompt(out.token_ids, out.items, tuple(images), out.inputs)
@@ -225,24 +223,6 @@ _IMAGE = "\x00image\x00"
 
 def _as_parts(content: str | list[dict[str, str]]) -> list[dict[str, str]]:
     return content if isinstance(content, list) else [{"type": "text", "text": content}]
-
-
-def _pil_image(image: ImageData) -> Any:
-    """The decoded picture of ``image``; ValueError when its bytes are not an image.
-
-    Uses ``image.image`` when :mod:`engine.server.images` decoded it already."""
-    decoded = getattr(image, "image", None)
-    if decoded is not None:
-        return decoded
-    import io
-
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(image.data)) as opened:
-            return opened.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise ValueError(f"the image could not be decoded: {exc}") from exc
 
 
 def max_token_chars(tokenizer: Any) -> int | None:

@@ -1,4 +1,4 @@
-"""ImageData: the bytes of one ``image_url`` part and the SHA256 that names it.
+"""ImageData: one ``image_url`` part decoded into verified pixels, named by their content hash.
 
 Only ``data:`` URLs carrying base64 (``data:image/png;base64,...``) are decoded here.
 Remote (``http``/``https``) URLs are refused unless the server was started with
@@ -6,20 +6,28 @@ Remote (``http``/``https``) URLs are refused unless the server was started with
 the caller passes a ``fetch`` function, so what may reach the network is decided in
 one place (the server) and tests never fetch.
 
-Invariant: ``ImageData.sha256`` is the hex SHA256 of exactly the decoded bytes; it is
-the :class:`~engine.kvcache.block_hash.MultiModalItem` identifier, so the same picture sent
-twice (whatever its base64 line wrapping) yields the same block hashes.
+Invariant: ``ImageData.image`` is the decoded image, verified by
+:func:`engine.image_content.decode_image` (PNG, JPEG or WebP, bounded pixels, not
+truncated), and ``ImageData.sha256`` is :func:`engine.image_content.content_hash` of
+it: a hash of the pixels and their shape, not of the URL or the encoded bytes. It is
+the :class:`~engine.kvcache.block_hash.MultiModalItem` identifier, so the same picture
+sent twice (whatever its encoding or base64 line wrapping) yields the same block hashes.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
+
+from engine.image_content import content_hash, decode_image
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 FETCH_TIMEOUT_S = 10.0
@@ -29,17 +37,23 @@ ImageFetcher = Callable[[str], bytes]
 
 @dataclass(frozen=True)
 class ImageData:
-    data: bytes
+    """Encoded bytes, the media type of what they decoded as, the image, and its content hash."""
+
+    data: bytes = field(repr=False)
     media_type: str
     sha256: str
+    image: Image = field(repr=False, compare=False)
 
     @classmethod
-    def from_bytes(cls, data: bytes, media_type: str) -> ImageData:
+    def from_bytes(cls, data: bytes) -> ImageData:
+        """Decode and verify ``data``; ValueError saying why an image is refused."""
         if not data:
             raise ValueError("image is empty")
         if len(data) > MAX_IMAGE_BYTES:
             raise ValueError(f"image has {len(data)} bytes, more than the limit of {MAX_IMAGE_BYTES}")
-        return cls(data=data, media_type=media_type, sha256=hashlib.sha256(data).hexdigest())
+        image = decode_image(data)
+        media_type = f"image/{(image.format or 'unknown').lower()}"
+        return cls(data=data, media_type=media_type, sha256=content_hash(image), image=image)
 
 
 def decode_data_url(url: str) -> ImageData:
@@ -60,7 +74,7 @@ def decode_data_url(url: str) -> ImageData:
         data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"data: URL payload is not valid base64: {exc}") from exc
-    return ImageData.from_bytes(data, media_type)
+    return ImageData.from_bytes(data)
 
 
 def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = None) -> ImageData:
@@ -77,7 +91,7 @@ def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = 
             "remote image URLs are refused by this engine (start it with --allow-remote-images "
             "to allow them); send the image inline as a data: URL"
         )
-    return ImageData.from_bytes(fetch(url), "application/octet-stream")
+    return ImageData.from_bytes(fetch(url))
 
 
 def http_fetcher(*, timeout_s: float = FETCH_TIMEOUT_S, max_bytes: int = MAX_IMAGE_BYTES,

@@ -14,7 +14,7 @@ ALLOWED = {  # subpackage -> subpackages it may import (besides itself)
     "kvcache": set(),
     "model": {"kvcache", "config", "model_store", "multimodal"},
     "core": {"model", "kvcache", "config", "multimodal"},
-    "server": {"core", "kvcache", "config", "structured", "multimodal"},
+    "server": {"core", "kvcache", "config", "structured", "image_content", "multimodal"},
     "multimodal": {"kvcache"},  # processor, vision tower, encoder cache: torch + transformers
     "structured": set(),  # grammar-constrained decoding: llguidance + torch, nothing of ours
 }

@@ -65,10 +65,10 @@ def picture(seed: int, size: tuple[int, int] = (32, 32)):
 
 def data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
-    image.save(buf, format=fmt)
+    image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def image_message(image, text: str = "What is in this picture?") -> list[dict]:
+def image_message(image, text: str = "What is in this picture?", fmt: str = "PNG") -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text},
-                                         {"type": "image_url", "image_url": {"url": data_url(image)}}]}]
+                                         {"type": "image_url", "image_url": {"url": data_url(image, fmt)}}]}]

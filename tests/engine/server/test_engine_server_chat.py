@@ -6,7 +6,6 @@ tokenizer is exercised through the HTTP tests.
 """
 
 import base64
-import hashlib
 import json
 import re
 
@@ -14,10 +13,12 @@ import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from image_samples import png
 
 from engine import hash_block_chain
 from engine.server.chat import PART_JOIN, ROLES, TOOLS_HEADER, ChatRenderer, ImagePlaceholder
 from engine.server.errors import APIError
+from engine.server.images import ImageData
 from engine.server.tool_calls import CALL_INSTRUCTIONS
 
 PLAIN_TEMPLATE = (
@@ -57,6 +58,10 @@ class FakeTokenizer:
 
 def image_url(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def image_id(data: bytes) -> str:
+    return ImageData.from_bytes(data).sha256
 
 
 def test_string_content_renders_through_the_template():
@@ -200,7 +205,7 @@ def test_template_errors_become_400():
 def test_a_text_only_model_refuses_images():
     with pytest.raises(APIError) as info:
         ChatRenderer(FakeTokenizer(PLAIN_TEMPLATE)).render(
-            [{"role": "user", "content": [{"type": "text", "text": "see"}, image_url(b"img")]}]
+            [{"role": "user", "content": [{"type": "text", "text": "see"}, image_url(png())]}]
         )
     assert info.value.status_code == 400
     assert "does not accept images" in info.value.message
@@ -216,14 +221,15 @@ def image_renderer(tok, **kwargs):
 
 def test_each_image_expands_to_its_positions_and_is_named_by_its_sha256():
     tok = FakeTokenizer(PLAIN_TEMPLATE)
-    img_a, img_b = b"first image bytes", b"second image bytes"
+    img_a, img_b = png(seed=1), png(seed=2)
     content = [{"type": "text", "text": "look"}, image_url(img_a), {"type": "text", "text": "and"}, image_url(img_b)]
     prompt = image_renderer(tok).render([{"role": "user", "content": content}])
     rendered = tok.calls[0]["conversation"][0]["content"]
     assert rendered == "look\n<image>\nand\n<image>"
     a, b = prompt.mm_items
-    assert a.identifier == hashlib.sha256(img_a).hexdigest()
-    assert b.identifier == hashlib.sha256(img_b).hexdigest()
+    assert a.identifier == image_id(img_a)
+    assert b.identifier == image_id(img_b)
+    assert a.identifier != b.identifier
     # "<user> look" precede the first image; "and" lies between the two.
     assert (a.offset, a.length) == (2, 6)
     assert (b.offset, b.length) == (2 + 6 + 1, 6)
@@ -242,7 +248,7 @@ def test_the_image_bytes_enter_the_block_hashes():
         prompt = renderer.render([{"role": "user", "content": [image_url(data), {"type": "text", "text": "x"}]}])
         return hash_block_chain(prompt.token_ids, 4, mm_items=prompt.mm_items)
 
-    same_1, same_2, other = hashes(b"cat"), hashes(b"cat"), hashes(b"dog")
+    same_1, same_2, other = hashes(png(seed=1)), hashes(png(seed=1)), hashes(png(seed=2))
     assert same_1 == same_2
     assert len(same_1) == len(other) >= 2
     assert same_1[0] != other[0]
@@ -251,7 +257,7 @@ def test_the_image_bytes_enter_the_block_hashes():
 def test_placeholder_typed_as_text_is_refused():
     tok = FakeTokenizer(PLAIN_TEMPLATE)
     with pytest.raises(APIError) as info:
-        image_renderer(tok).render([{"role": "user", "content": [{"type": "text", "text": IMAGE_TOKEN}, image_url(b"x")]}])
+        image_renderer(tok).render([{"role": "user", "content": [{"type": "text", "text": IMAGE_TOKEN}, image_url(png())]}])
     assert info.value.status_code == 400
 
 
@@ -262,10 +268,10 @@ def test_remote_image_refused_unless_allowed_and_then_fetched_by_the_given_funct
         image_renderer(tok).render([{"role": "user", "content": remote}])
     assert info.value.status_code == 400 and "remote" in info.value.message
     fetched = []
-    renderer = image_renderer(tok, allow_remote_images=True, fetch=lambda url: fetched.append(url) or b"remote bytes")
+    renderer = image_renderer(tok, allow_remote_images=True, fetch=lambda url: fetched.append(url) or png(seed=9))
     prompt = renderer.render([{"role": "user", "content": remote}])
     assert fetched == ["https://example.com/a.png"]
-    assert prompt.mm_items[0].identifier == hashlib.sha256(b"remote bytes").hexdigest()
+    assert prompt.mm_items[0].identifier == image_id(png(seed=9))
 
 
 def test_bad_data_url_is_400_naming_the_part():

@@ -1,0 +1,122 @@
+"""Image content: decode encoded image bytes into verified pixels, and name them by content.
+
+One place for what an image *is*, imported by the engine's server (to decode and key
+images), by the gateway (to compare and route requests with images) and by the
+linter. Torch-free, and Pillow-free at import: Pillow is imported inside the
+functions that need it, so importing this module (and the gateway, for text-only
+use) works without Pillow installed.
+
+Decoding (:func:`decode_image`) accepts PNG, JPEG and WebP only (by content, not by
+the media type a client claims), single-frame, at most :data:`MAX_IMAGE_PIXELS`
+pixels, neither side zero, and fully decodable (a truncated file is refused, not
+padded). Every refusal is a ``ValueError`` saying why.
+
+The content hash (:func:`content_hash`), version 1, is the hex SHA256 of::
+
+    b"prefixgate/image/v1\\0" | "<mode>,<width>,<height>" (ASCII) | b"\\0" | pixel bytes
+
+where the pixels are converted to one canonical mode before ``tobytes()``: RGBA for
+every mode whose conversion to RGBA is lossless (1, L, LA, P, PA, RGB, RGBA), so the
+same picture sent as PNG (palette, gray or RGB) or as lossless WebP hashes alike;
+any other mode (16-bit gray, CMYK, YCbCr, float...) keeps its own mode and bytes, so
+two different pictures never meet through a lossy conversion. The width and height
+are in the hashed header: two images whose pixel bytes agree but whose shapes
+differ (2x8 and 4x4) never collide (vLLM's CVE-2025-46722). Metadata (EXIF, ICC,
+the container) never enters the hash; the pixels are taken as decoded, without
+applying EXIF orientation.
+
+Invariant: equal hashes imply equal canonical pixels and shape, so any model input
+derived from the decoded pixels (RGB conversion, resizing) is equal too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+"""Pillow format names of the accepted encodings."""
+
+MAX_IMAGE_PIXELS = 40_000_000
+"""Largest accepted ``width * height`` (an 8K frame is 33.2 M): a bound on decode memory."""
+
+HASH_VERSION = b"prefixgate/image/v1\0"
+_LOSSLESS_TO_RGBA = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA"})
+
+
+def decode_image(data: bytes) -> Image:
+    """The verified, fully loaded image ``data`` encodes; ValueError saying why it is refused."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # pragma: no cover - Pillow is an engine dependency
+        raise ValueError("decoding images needs Pillow (pip install pillow)") from exc
+    if not data:
+        raise ValueError("image is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+            _check_header(image)
+            image.load()
+    except UnidentifiedImageError as exc:
+        raise ValueError(f"image is not a {', '.join(FORMATS)} file Pillow can read") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ValueError(f"image has too many pixels (the limit is {MAX_IMAGE_PIXELS})") from exc
+    except (OSError, SyntaxError, EOFError) as exc:
+        raise ValueError(f"image could not be decoded ({exc})") from exc
+    return image
+
+
+def _check_header(image: Image) -> None:
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image has a zero size ({width}x{height})")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"image is {width}x{height}, more than {MAX_IMAGE_PIXELS} pixels")
+    if getattr(image, "n_frames", 1) != 1:
+        raise ValueError("animated images are not supported; send one frame")
+
+
+def canonical_mode(mode: str) -> str:
+    """The mode an image of ``mode`` is hashed in (RGBA, or ``mode`` itself if lossy to convert)."""
+    return "RGBA" if mode in _LOSSLESS_TO_RGBA else mode
+
+
+def content_hash(image: Image) -> str:
+    """Hex SHA256 over the canonical mode, the shape and the canonical pixel bytes (see module doc)."""
+    mode = canonical_mode(image.mode)
+    pixels = image if image.mode == mode else image.convert(mode)
+    width, height = pixels.size
+    digest = hashlib.sha256(HASH_VERSION)
+    digest.update(f"{mode},{width},{height}".encode("ascii") + b"\0")
+    digest.update(pixels.tobytes())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ImageIdentity:
+    """What the gateway and the linter call an image.
+
+    ``exact`` is True when ``value`` is :func:`content_hash` (the engine's block-key
+    identifier); False when Pillow is missing or could not decode the bytes, and
+    ``value`` is then ``"bytes:" + SHA256(encoded bytes)``: still stable for the
+    same bytes, but the same pixels re-encoded get another value, and it never
+    equals an engine identifier.
+    """
+
+    value: str
+    exact: bool
+
+
+def image_identity(data: bytes) -> ImageIdentity:
+    """The content hash of ``data`` where Pillow decodes it, else a hash of the bytes."""
+    try:
+        return ImageIdentity(content_hash(decode_image(data)), exact=True)
+    except (ValueError, ImportError):
+        return ImageIdentity("bytes:" + hashlib.sha256(data).hexdigest(), exact=False)
