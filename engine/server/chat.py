@@ -42,13 +42,15 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.kvcache.block_hash import MultiModalItem
-from engine.multimodal.processor import ImagePromptProcessor
 from engine.server.errors import APIError, invalid_param
 from engine.server.images import ImageData, ImageFetcher, load_image
 from engine.server.tool_calls import CALL_INSTRUCTIONS, render_call
+
+if TYPE_CHECKING:  # the gateway imports this module and must not import torch
+    from engine.multimodal.processor import ImagePromptProcessor
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_JOIN = "\n"

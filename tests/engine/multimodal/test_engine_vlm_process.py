@@ -126,3 +126,11 @@ def test_only_llama_language_models_and_the_two_architectures_are_accepted(vlm_d
         vlm_architecture(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert vlm_architecture(tmp_path) is None
+
+
+def test_the_chat_renderer_still_imports_no_torch():
+    # the gateway renders chats with engine.server.chat; the VLM path must not pull torch into it
+    code = "import sys, engine.server.chat; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
