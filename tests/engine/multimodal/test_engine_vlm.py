@@ -192,3 +192,13 @@ def test_images_the_processor_cannot_place_are_400s_naming_the_part(make_vlm_eng
     smuggled = GenerationRequest("smuggled", list(prompt.token_ids), SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="image tokens"):
         engine.submit(smuggled)  # image token ids without their images (e.g. /v1/completions ids)
+
+
+def test_idefics3_placeholder_count_follows_the_image_size_and_stays_exact(make_vlm_engine):
+    engine = make_vlm_engine("idefics3", enable_prefix_caching=False)
+    square = render(engine, image_message(picture(8, (32, 32))))
+    wide = render(engine, image_message(picture(8, (64, 16))))
+    assert wide.mm_items[0].length != square.mm_items[0].length  # tiles: 2x2 + global vs 1x2 + global
+    for prompt in (square, wide):
+        assert prompt.mm_inputs[0].positions.numel() == prompt.mm_inputs[0].pixels["pixel_values"].shape[1] * 4
+        assert run(engine, prompt)[0] == hf_generate(engine, prompt)
