@@ -45,6 +45,7 @@ serve: install
 bench: install
 	$(PY) benchmarks/block_hash.py
 	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/image_ttft.py
 	$(PY) benchmarks/lint_throughput.py
 	$(PY) benchmarks/gateway_overhead.py
 	$(PY) benchmarks/gateway_load.py

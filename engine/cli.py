@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_ENCODER_CACHE_MEMORY_GIB,
     DEFAULT_KV_CACHE_MEMORY_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -42,6 +43,8 @@ example:
 
 Without --model the bundled SmolLM2-135M-Instruct is served (converted once from its
 GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is used.
+A vision-language checkpoint (LLaVA, Idefics3/SmolVLM) accepts image_url parts:
+  prefixgate engine --model ./my-llava --encoder-cache-memory 0.5
 With PREFIXGATE_ENGINE_API_KEY set (or --api-key), clients must send
 'Authorization: Bearer <key>' (the OpenAI SDK's api_key) on every route but /health.
 """
@@ -60,6 +63,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="a local Hugging Face checkpoint directory or a GGUF file "
                         "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--encoder-cache-memory", type=_positive_float, default=DEFAULT_ENCODER_CACHE_MEMORY_GIB,
+                        metavar="GIB",
+                        help="memory for image features of a vision-language model in GiB "
+                        f"(default: {DEFAULT_ENCODER_CACHE_MEMORY_GIB})")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to bind (default: {DEFAULT_HOST}, loopback only)")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
@@ -123,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            encoder_cache_memory_gib=args.encoder_cache_memory,
         )
+        _check_model(args.model)
         events_config = None
         if args.kv_events_config is not None:
             from engine.server.kv_event_publisher import KVEventsConfig
@@ -180,6 +189,20 @@ class _Replaced(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         parser.error(f"{option_string} was removed: allow hosts by name with {self.replacement}")
+
+
+def _check_model(model: str | None) -> None:
+    """ValueError (exit 2) for a checkpoint directory of an unsupported multimodal architecture,
+    before anything heavy loads."""
+    if model is None:
+        return
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        from engine.multimodal.vlm import vlm_architecture
+
+        vlm_architecture(path)
 
 
 def _positive_int(text: str) -> int:

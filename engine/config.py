@@ -9,6 +9,7 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class EngineConfig:
     for the bundled SmolLM2-135M-Instruct. ``dtype="auto"`` means bfloat16 where the
     CPU computes it natively, float32 otherwise. Each engine step runs one forward
     over at most ``max_num_batched_tokens`` tokens (decode tokens plus prefill
-    chunks) of at most ``max_num_seqs`` running requests.
+    chunks) of at most ``max_num_seqs`` running requests. A vision-language model
+    keeps image features in an encoder cache of ``encoder_cache_memory_gib`` GiB.
     """
 
     model: str | None = None
@@ -33,6 +35,7 @@ class EngineConfig:
     num_threads: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    encoder_cache_memory_gib: float = DEFAULT_ENCODER_CACHE_MEMORY_GIB
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not isinstance(self.encoder_cache_memory_gib, int | float) or self.encoder_cache_memory_gib < 0:
+            raise ValueError(f"encoder_cache_memory_gib must be >= 0, got {self.encoder_cache_memory_gib!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):

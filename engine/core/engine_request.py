@@ -53,6 +53,7 @@ class EngineRequest:
             block_size=block_size,
         )
         self.num_prompt_tokens = self.kv.num_prompt_tokens
+        self.mm_inputs = request.mm_inputs
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.admitted = False

@@ -24,3 +24,7 @@ class EngineStats:
     num_preemptions: int
     ttft_count: int
     ttft_sum_s: float
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_entries: int = 0
+    encoder_cache_bytes: int = 0

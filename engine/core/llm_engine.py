@@ -16,6 +16,11 @@ Invariants:
 * only the loop thread touches the model, the KV storage, the scheduler and the
   KV cache manager; other threads talk to it through ``_inbox`` and ``_aborts``
   under ``_cond``;
+* a vision-language model's requests carry their images' pixels
+  (``mm_inputs``); image features are computed in the loop thread, just before
+  the forward that needs them, through the encoder cache
+  (:class:`~engine.multimodal.embedder.ImageEmbedder`), never for positions
+  reused from the prefix cache;
 * a request's blocks are freed exactly once, when it finishes for any reason
   (stop, length, abort, error), before its finished output is put in its
   stream; after a failed forward, the blocks it was computing lose their hash
@@ -43,8 +48,12 @@ from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.kvcache.kv_cache_manager import KVCacheManager
-from engine.model.kv_storage import KVLayout, KVStorage
+from engine.model.kv_storage import GIB, KVLayout, KVStorage
 from engine.model.runner import ModelRunner, SequenceInput
+from engine.multimodal.embedder import ImageEmbedder
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.processor import ImageInput, ImagePromptProcessor
+from engine.multimodal.vlm import VisionEncoder, is_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +70,15 @@ __all__ = [
 class LLMEngine:
     """A causal LM served with block-level prefix caching, one loop thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, *, processor: Any = None) -> None:
+        """``processor``: the checkpoint's processor, required for (and only for) a
+        vision-language model (:mod:`engine.multimodal.vlm`)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        mc = model.config
+        mc = model.config.get_text_config()
         self.layout = KVLayout(
             num_layers=mc.num_hidden_layers,
             kv_heads=mc.num_key_value_heads,
@@ -83,8 +94,18 @@ class LLMEngine:
         if model_len > kv_tokens:
             logger.warning("max_model_len %d capped to the KV cache's %d tokens", model_len, kv_tokens)
         self.max_model_len = min(model_len, kv_tokens)
-        self.model_id = config.served_model_name or str(getattr(mc, "name_or_path", "") or "model")
-        self.supports_images = False
+        self.model_id = config.served_model_name or str(getattr(model.config, "name_or_path", "") or "model")
+        self.image_processor: ImagePromptProcessor | None = None
+        self.embedder: ImageEmbedder | None = None
+        if is_vlm(model):
+            if processor is None:
+                raise ValueError(f"{type(model).__name__} needs its processor")
+            if not self.runner.lean:
+                raise ValueError("the language model of a vision-language model must be a plain Llama")
+            self.image_processor = ImagePromptProcessor(processor)
+            cache_bytes = int(config.encoder_cache_memory_gib * GIB)
+            self.embedder = ImageEmbedder(VisionEncoder(model), EncoderCache(cache_bytes))
+        self.supports_images = self.embedder is not None
         self.vocab_size = int(mc.vocab_size)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.kv_cache_manager = KVCacheManager(
@@ -114,7 +135,8 @@ class LLMEngine:
         from engine.model.loader import load_model
 
         loaded = load_model(config)
-        return cls(loaded.model, loaded.tokenizer, dataclasses.replace(config, served_model_name=loaded.model_id))
+        return cls(loaded.model, loaded.tokenizer, dataclasses.replace(config, served_model_name=loaded.model_id),
+                   processor=loaded.processor)
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -179,7 +201,15 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
+            **self._encoder_cache_stats(),
         )
+
+    def _encoder_cache_stats(self) -> dict[str, int]:
+        if self.embedder is None:
+            return {}
+        cache = self.embedder.cache
+        return {"encoder_cache_hits": cache.hits, "encoder_cache_misses": cache.misses,
+                "encoder_cache_entries": len(cache), "encoder_cache_bytes": cache.bytes}
 
     def _validate(self, request: GenerationRequest) -> EngineRequest:
         prompt = request.prompt_token_ids
@@ -195,6 +225,8 @@ class LLMEngine:
             raise ValueError(f"token id {bad!r} is outside the vocabulary of {self.vocab_size}")
         if request.mm_items and not self.supports_images:
             raise ValueError("model does not accept images")
+        if self.image_processor is not None:
+            self._validate_images(request)
         if not isinstance(request.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(request.params).__name__}")
         return EngineRequest(
@@ -205,6 +237,23 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             fallback_seed=self._next_seed(),
         )
+
+    def _validate_images(self, request: GenerationRequest) -> None:
+        """Every image item has its pixels, and the image token appears exactly at the
+        images' feature positions (a prompt cannot smuggle in an image token)."""
+        items, inputs = request.mm_items, request.mm_inputs
+        if len(items) != len(inputs) or any(
+            not isinstance(inp, ImageInput) or inp.item != item for item, inp in zip(items, inputs, strict=False)
+        ):
+            raise ValueError(f"{len(items)} image items need as many matching image inputs, got {len(inputs)}")
+        assert self.image_processor is not None
+        token = self.image_processor.image_token_id
+        expected = sorted(int(p) for inp in inputs for p in inp.positions)
+        found = [i for i, t in enumerate(request.prompt_token_ids) if t == token]
+        if found != expected:
+            raise ValueError(
+                f"the prompt has {len(found)} image tokens (id {token}) where its images take {len(expected)}"
+            )
 
     def _next_seed(self) -> int:
         with self._cond:
@@ -239,19 +288,20 @@ class LLMEngine:
         if not work.scheduled:
             return
         kvm = self.kv_cache_manager
-        inputs = [
-            SequenceInput(
-                token_ids=s.request.kv.all_token_ids[s.start : s.end],
-                start=s.start,
-                block_ids=kvm.get_block_ids(s.request.request_id),
-                sample=s.samples,
-            )
-            for s in work.scheduled
-        ]
         try:
+            inputs = [
+                SequenceInput(
+                    token_ids=s.request.kv.all_token_ids[s.start : s.end],
+                    start=s.start,
+                    block_ids=kvm.get_block_ids(s.request.request_id),
+                    sample=s.samples,
+                    embeds=self._embeds(s.request, s.start, s.end),
+                )
+                for s in work.scheduled
+            ]
             logits = self.runner.execute(inputs)
         except Exception as exc:
-            logger.exception("forward over %d requests failed", len(inputs))
+            logger.exception("forward over %d requests failed", len(work.scheduled))
             self.scheduler.forget_unwritten(work)
             for s in work.scheduled:
                 self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}")
@@ -262,6 +312,12 @@ class LLMEngine:
             if s.samples:
                 self._sample(s.request, logits[row])
                 row += 1
+
+    def _embeds(self, req: EngineRequest, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Image features for the chunk ``[start, end)`` of ``req`` (none past its prompt)."""
+        if self.embedder is None or not req.mm_inputs or start >= req.num_prompt_tokens:
+            return []
+        return self.embedder.embeds(req.mm_inputs, req.kv.cache_salt, start, end)
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
         first = not req.kv.output_token_ids

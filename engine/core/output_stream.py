@@ -15,6 +15,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from engine.kvcache.block_hash import MultiModalItem
@@ -22,13 +23,18 @@ from engine.kvcache.block_hash import MultiModalItem
 
 @dataclass
 class GenerationRequest:
-    """What the server asks the engine to generate."""
+    """What the server asks the engine to generate.
+
+    ``mm_inputs`` (:class:`~engine.multimodal.processor.ImageInput`, for a
+    vision-language model) are one per ``mm_items`` entry, in the same order, with the
+    same identifiers and ranges."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
     mm_items: tuple[MultiModalItem, ...] = ()
+    mm_inputs: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

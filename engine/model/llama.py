@@ -13,7 +13,11 @@ Numerics follow transformers' ``LlamaDecoderLayer`` op for op (RMSNorm in float3
 residual adds in the model dtype, ``silu(gate) * up``).
 
 Only plain Llama layers are accepted (:func:`supports`): no projection biases, SiLU
-MLP, standard RMSNorm; anything else runs the generic transformers forward.
+MLP, standard RMSNorm; anything else runs the generic transformers forward. The
+language model of a vision-language model (LLaVA's ``language_model``, Idefics3's
+``text_model``, both Llama) is accepted too (:func:`language_parts`): its forward
+then takes some rows' input embeddings from outside (image features, ``embeds``),
+exactly where transformers' ``masked_scatter`` puts them.
 """
 
 from __future__ import annotations
@@ -27,11 +31,25 @@ import torch.nn.functional as F
 from engine.model.attention import AttentionBatch, paged_attention
 
 
+def language_parts(model: Any) -> tuple[Any, Any, Any]:
+    """The decoder stack, the LM head and the text config of a causal LM or of a
+    vision-language model's language model."""
+    inner = model.model
+    for name in ("language_model", "text_model"):
+        base = getattr(inner, name, None)
+        if base is not None:
+            return base, model.lm_head, model.config.get_text_config()
+    return inner, model.lm_head, model.config
+
+
 def supports(model: Any) -> bool:
-    """True for a ``LlamaForCausalLM`` whose layers this forward computes exactly."""
-    config = model.config
+    """True for a Llama model (causal LM or a VLM's language model) whose layers this
+    forward computes exactly."""
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        return False
+    base, _, config = language_parts(model)
     return (
-        type(model).__name__ == "LlamaForCausalLM"
+        type(base).__name__ == "LlamaModel"
         and not getattr(config, "attention_bias", False)
         and not getattr(config, "mlp_bias", False)
         and getattr(config, "hidden_act", "silu") == "silu"
@@ -67,8 +85,7 @@ class LlamaForward:
     def __init__(self, model: Any) -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
-        config = model.config
-        base = model.model
+        base, lm_head, config = language_parts(model)
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -77,7 +94,7 @@ class LlamaForward:
         self.embed = base.embed_tokens.weight
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = lm_head.weight
         self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]
 
     @staticmethod
@@ -96,10 +113,16 @@ class LlamaForward:
 
     @torch.inference_mode()
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logit_rows: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, logit_rows: torch.Tensor,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits (model dtype) of rows ``logit_rows`` of the flattened batch."""
+        """Logits (model dtype) of rows ``logit_rows`` of the flattened batch. ``embeds``
+        = ``(rows, values)``: rows whose input embedding is ``values`` (``[len(rows),
+        hidden]``, cast to the model dtype) instead of their token's."""
         hidden = F.embedding(input_ids, self.embed)
+        if embeds is not None:
+            embed_rows, values = embeds
+            hidden[embed_rows] = values.to(hidden.dtype)
         cos, sin = self.rotary(hidden[None], positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
         q_size = self.num_heads * self.head_dim

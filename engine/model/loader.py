@@ -1,5 +1,9 @@
 """Load a causal LM and its tokenizer from the bundled model, a checkpoint dir or a GGUF file.
 
+A checkpoint directory whose ``config.json`` names a supported vision-language
+architecture (:mod:`engine.multimodal.vlm`) is loaded with its processor instead;
+the tokenizer is then the processor's.
+
 Never touches a model hub: every path is local, and loading runs with
 ``local_files_only``. GGUF files are converted once to safetensors by
 :mod:`engine.model_store` and the converted copy is loaded.
@@ -26,6 +30,8 @@ class LoadedModel:
     tokenizer: Any
     model_id: str
     path: Path
+    processor: Any = None
+    """The checkpoint's processor for a vision-language model, else None."""
 
 
 def cpu_has_native_bf16() -> bool:
@@ -70,6 +76,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     path, default_name = resolve_model_path(config.model)
     dtype = resolve_dtype(config.dtype)
     logger.info("loading %s (%s)", path, str(dtype).removeprefix("torch."))
+    from engine.multimodal.vlm import load_vlm, vlm_architecture
+
+    arch = vlm_architecture(path)
+    if arch is not None:
+        model, processor = load_vlm(path, arch, dtype)
+        name = config.served_model_name or default_name
+        return LoadedModel(model, processor.tokenizer, name, path, processor)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"

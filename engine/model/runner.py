@@ -47,20 +47,23 @@ class SequenceInput:
 
     ``block_ids`` is its block table and covers every position up to ``start +
     len(token_ids)``; positions before ``start`` already have their K/V in those
-    blocks. ``sample``: return logits for its last token.
+    blocks. ``sample``: return logits for its last token. ``embeds``: pairs ``(rows,
+    values)``, the input embeddings of some of its tokens (``rows`` index
+    ``token_ids``; image features), used instead of the tokens' embeddings.
     """
 
     token_ids: Sequence[int]
     start: int
     block_ids: Sequence[int]
     sample: bool
+    embeds: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
 
 
 class ModelRunner:
     """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
     def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None) -> None:
-        attention.check_supported(model.config)
+        attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
         self.lean = llama.supports(model) if lean is None else lean
@@ -81,11 +84,16 @@ class ModelRunner:
         slices: list[SequenceSlice] = []
         decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
         logit_rows: list[int] = []
+        embed_rows: list[torch.Tensor] = []
+        embed_values: list[torch.Tensor] = []
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
                 raise ValueError("a scheduled sequence must compute at least one token")
             row = len(ids)
+            for rows_in_seq, values in seq.embeds:
+                embed_rows.append(rows_in_seq + row)
+                embed_values.append(values)
             ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
@@ -118,10 +126,13 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)
+        embeds = (torch.cat(embed_rows), torch.cat(embed_values)) if embed_rows else None
         with torch.inference_mode():
             if self._llama is not None:
-                logits = self._llama(input_ids, pos, batch, rows)
+                logits = self._llama(input_ids, pos, batch, rows, embeds)
             else:
+                if embeds is not None:
+                    raise ValueError("input embeddings need the Llama forward")
                 out = self.model(
                     input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
                     logits_to_keep=rows, paged_batch=batch,

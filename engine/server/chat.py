@@ -17,12 +17,23 @@ messages are normalized so that every template gets plain strings:
   and the model sees its earlier calls as it was asked to write them.
 
 Images: a model that does not accept images answers 400 "model does not accept
-images". For an image-capable model (an :class:`ImagePlaceholder` is configured)
-each image part is loaded (data: URLs only unless remote images are allowed),
-its placeholder token is expanded to ``tokens_per_image`` positions and a
-:class:`~engine.kvcache.block_hash.MultiModalItem` named by the image's SHA256 covers
-exactly those positions. The template is rendered to text and then encoded without
-added special tokens, all under one lock (HF tokenizers are not safe to share).
+images". Each image part is loaded (data: URLs only unless remote images are
+allowed) and named by its content hash (:class:`~engine.server.images.ImageData`).
+
+* A vision-language model (an :class:`~engine.multimodal.processor.ImagePromptProcessor`
+  is configured): the checkpoint's chat template (the processor's, else the
+  tokenizer's) gets every message's content as a list of parts in OpenAI/HF form
+  (``{"type": "text", "text": ...}``, ``{"type": "image"}``), so it writes the
+  model's own image marker; the rendered text and the images then go through the
+  checkpoint's processor, which expands each marker to the image's placeholder
+  tokens (for Idefics3 the count depends on the image size). Each image's range and
+  pixels come back with it; a :class:`~engine.kvcache.block_hash.MultiModalItem`
+  covers the range.
+* A fixed-size :class:`ImagePlaceholder`: the placeholder token is expanded to
+  ``tokens_per_image`` positions covered by the item (no model consumes them).
+
+The template is rendered to text and then encoded without added special tokens, all
+under one lock (HF tokenizers are not safe to share).
 """
 
 from __future__ import annotations
@@ -31,12 +42,15 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.kvcache.block_hash import MultiModalItem
 from engine.server.errors import APIError, invalid_param
 from engine.server.images import ImageData, ImageFetcher, load_image
 from engine.server.tool_calls import CALL_INSTRUCTIONS, render_call
+
+if TYPE_CHECKING:  # the gateway imports this module and must not import torch
+    from engine.multimodal.processor import ImagePromptProcessor
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_JOIN = "\n"
@@ -54,9 +68,13 @@ class ImagePlaceholder:
 
 @dataclass(frozen=True)
 class ChatPrompt:
+    """``mm_inputs``: one :class:`~engine.multimodal.processor.ImageInput` per item for a
+    vision-language model (empty otherwise)."""
+
     token_ids: list[int]
     mm_items: tuple[MultiModalItem, ...] = ()
     images: tuple[ImageData, ...] = ()
+    mm_inputs: tuple[Any, ...] = ()
 
 
 class ChatRenderer:
@@ -70,13 +88,16 @@ class ChatRenderer:
         image_placeholder: ImagePlaceholder | None = None,
         allow_remote_images: bool = False,
         fetch: ImageFetcher | None = None,
+        image_processor: ImagePromptProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.supports_images = supports_images and image_placeholder is not None
+        self.image_processor = image_processor
+        self.supports_images = image_processor is not None or (supports_images and image_placeholder is not None)
         self.image_placeholder = image_placeholder
         self.allow_remote_images = allow_remote_images
         self.fetch = fetch
-        source = _template_source(tokenizer)
+        self.chat_template = image_processor.chat_template if image_processor is not None else None
+        source = self.chat_template or _template_source(tokenizer)
         self.template_has_tools = "tools" in source
         self.template_has_developer = "developer" in source
         self._lock = threading.Lock()
@@ -92,12 +113,18 @@ class ChatRenderer:
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
         if tools and self.template_has_tools:
             kwargs["tools"] = tools
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        if self.image_processor is not None:
+            conversation = [{**m, "content": _as_parts(m["content"])} for m in conversation]
         with self._lock:
             try:
                 text = self.tokenizer.apply_chat_template(conversation, **kwargs)
             except Exception as exc:  # jinja errors, raise_exception(...) in templates
                 raise invalid_param(f"The chat template rejected the messages: {exc}", "messages",
                                     "invalid_messages") from exc
+            if self.image_processor is not None:
+                return self._process(text, images)
             token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not images:
             return ChatPrompt(token_ids)
@@ -123,7 +150,7 @@ class ChatRenderer:
                 out[key] = message[key]
         return out
 
-    def _content(self, index: int, content: object, images: list[ImageData]) -> str:
+    def _content(self, index: int, content: object, images: list[ImageData]) -> str | list[dict[str, str]]:
         if content is None:
             return ""
         if isinstance(content, str):
@@ -133,6 +160,8 @@ class ChatRenderer:
             raise invalid_param(f"{param} must be a string or an array of content parts.", param,
                                 "invalid_type")
         pieces = [self._part(f"{param}[{j}]", part, images) for j, part in enumerate(content)]
+        if self.image_processor is not None:
+            return [{"type": "image"} if p is _IMAGE else {"type": "text", "text": p} for p in pieces]
         return PART_JOIN.join(pieces)
 
     def _part(self, param: str, part: object, images: list[ImageData]) -> str:
@@ -142,18 +171,31 @@ class ChatRenderer:
         if not isinstance(part, dict) or kind != "image_url":
             raise invalid_param(f"{param} must be a text part {{'type': 'text', 'text': ...}} or an "
                                 f"image_url part, got type {kind!r}.", param)
-        if not self.supports_images or self.image_placeholder is None:
+        if not self.supports_images:
             raise APIError(400, "The model does not accept images (image_url content parts).",
                            param=param, code="model_does_not_accept_images")
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else spec
         try:
-            images.append(load_image(url, allow_remote=self.allow_remote_images, fetch=self.fetch))
+            image = load_image(url, allow_remote=self.allow_remote_images, fetch=self.fetch)
         except ValueError as exc:
             raise invalid_param(f"{param}.image_url: {exc}", f"{param}.image_url") from exc
+        images.append(image)
+        if self.image_processor is not None:
+            return _IMAGE
+        assert self.image_placeholder is not None
         return self.image_placeholder.text
 
     # ----------------------------------------------------------------- images
+    def _process(self, text: str, images: list[ImageData]) -> ChatPrompt:
+        """The checkpoint's processor over the rendered text and the images (lock held)."""
+        assert self.image_processor is not None
+        try:
+            out = self.image_processor.encode(text, [i.image for i in images], [i.sha256 for i in images])
+        except ValueError as exc:
+            raise invalid_param(f"The images could not be placed in the prompt: {exc}", "messages") from exc
+        return ChatPrompt(out.token_ids, out.items, tuple(images), out.inputs)
+
     def _expand_images(self, token_ids: list[int], images: list[ImageData]) -> ChatPrompt:
         """Expand each placeholder token to its positions; one MultiModalItem per image, in order."""
         spec = self.image_placeholder
@@ -175,6 +217,14 @@ class ChatRenderer:
             start = pos + 1
         expanded.extend(token_ids[start:])
         return ChatPrompt(expanded, tuple(items), tuple(images))
+
+
+_IMAGE = "\x00image\x00"
+"""What :meth:`ChatRenderer._part` returns for an image part when a processor places images."""
+
+
+def _as_parts(content: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def max_token_chars(tokenizer: Any) -> int | None:
@@ -215,12 +265,20 @@ def _inline_tools(conversation: list[dict[str, Any]],
     for message in out:
         calls = message.pop("tool_calls", None)
         if calls is not None:
-            joiner = PART_JOIN if message["content"] else ""
             written = calls if isinstance(calls, list) else [calls]
-            message["content"] += joiner + "\n".join(render_call(c) for c in written)
+            _append_text(message, PART_JOIN, "\n".join(render_call(c) for c in written))
     if out and out[0]["role"] == "system":
-        joiner = PART_JOIN + PART_JOIN if out[0]["content"] else ""
-        out[0]["content"] += joiner + block
+        _append_text(out[0], PART_JOIN + PART_JOIN, block)
     else:
         out.insert(0, {"role": "system", "content": block})
     return out
+
+
+def _append_text(message: dict[str, Any], joiner: str, text: str) -> None:
+    """Append ``text`` to a message's content (after ``joiner`` if it has text already);
+    a list of parts gets a new text part."""
+    content = message["content"]
+    if isinstance(content, list):
+        message["content"] = [*content, {"type": "text", "text": text}]
+    else:
+        message["content"] = content + (joiner if content else "") + text

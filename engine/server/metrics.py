@@ -15,7 +15,10 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_requests_running`` / ``..._waiting``;
 * ``prefixgate_engine_time_to_first_token_seconds``: histogram, request arrival to
   the first generated token;
-* ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests.
+* ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests;
+* ``prefixgate_engine_encoder_cache_hits_total`` / ``..._misses_total``: image
+  feature lookups in the encoder cache (a miss runs the vision tower), and
+  ``..._entries`` / ``..._bytes``: what it holds (vision-language models only).
 
 The same figures under vLLM's names (labels ``model_name`` and ``engine="0"``, as
 vLLM v1 exposes them), so dashboards built for vLLM work unchanged:
@@ -65,6 +68,15 @@ class _EngineCollector(Collector):
         yield _gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.num_blocks, labels)
         yield _gauge("requests_running", "Requests running in the engine.", stats.num_running, labels)
         yield _gauge("requests_waiting", "Requests waiting for admission.", stats.num_waiting, labels)
+        if getattr(self.engine, "supports_images", False):
+            yield _counter("encoder_cache_hits", "Image features found in the encoder cache.",
+                           stats.encoder_cache_hits, labels)
+            yield _counter("encoder_cache_misses", "Image features computed by the vision tower.",
+                           stats.encoder_cache_misses, labels)
+            yield _gauge("encoder_cache_entries", "Images whose features the encoder cache holds.",
+                         stats.encoder_cache_entries, labels)
+            yield _gauge("encoder_cache_bytes", "Bytes of image features in the encoder cache.",
+                         stats.encoder_cache_bytes, labels)
         yield from self._vllm_named(stats)
 
     def _vllm_named(self, stats: Any) -> Iterator[Metric]:

@@ -115,6 +115,7 @@ class RequestHandler:
             image_placeholder=getattr(engine, "image_placeholder", None),
             allow_remote_images=media.allows_remote,
             fetch=media.fetcher(),
+            image_processor=getattr(engine, "image_processor", None),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
@@ -222,9 +223,10 @@ class RequestHandler:
         self._refuse_by_size(body)
         self._refuse_by_image_count(body)
         mm_items: tuple[Any, ...] = ()
+        mm_inputs: tuple[Any, ...] = ()
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
-            token_ids, mm_items = rendered.token_ids, rendered.mm_items
+            token_ids, mm_items, mm_inputs = rendered.token_ids, rendered.mm_items, rendered.mm_inputs
         elif isinstance(body.prompt, str):
             token_ids = self.renderer.encode(body.prompt)
         else:
@@ -253,7 +255,7 @@ class RequestHandler:
             requests.append(GenerationRequest(
                 request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
                 prompt_token_ids=token_ids, params=choice_params,
-                cache_salt=body.cache_salt, mm_items=mm_items,
+                cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs,
             ))
         responses = None
         if kind == "responses":

@@ -12,9 +12,10 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 ALLOWED = {  # subpackage -> subpackages it may import (besides itself)
     "kvcache": set(),
-    "model": {"kvcache", "config", "model_store"},
-    "core": {"model", "kvcache", "config"},
-    "server": {"core", "kvcache", "config", "structured", "image_content"},
+    "model": {"kvcache", "config", "model_store", "multimodal"},
+    "core": {"model", "kvcache", "config", "multimodal"},
+    "server": {"core", "kvcache", "config", "structured", "image_content", "multimodal"},
+    "multimodal": {"kvcache"},  # processor, vision tower, encoder cache: torch + transformers
     "structured": set(),  # grammar-constrained decoding: llguidance + torch, nothing of ours
 }
 
