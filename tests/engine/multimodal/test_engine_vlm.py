@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import ARCHS, image_message, picture
+from vlm_samples import ARCHS, image_message, picture
 
 from engine.core.llm_engine import GenerationRequest, SamplingParams
 from engine.server.chat import ChatRenderer
