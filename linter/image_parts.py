@@ -61,10 +61,12 @@ class ImagePart:
 
     @property
     def short(self) -> str:
-        """A 16-character name for messages and rendered text."""
+        """A short name for messages and rendered text: 16 hex digits of the content hash,
+        or ``url:``, ``bytes:`` or ``invalid:`` and 12 hex digits when it is not one."""
         if self.exact:
             return self.identity[:16]
-        return self.identity.split(":", 1)[0][:1] + hashlib.sha256(self.identity.encode()).hexdigest()[:15]
+        kind = self.identity.split(":", 1)[0]
+        return f"{kind}:{hashlib.sha256(self.identity.encode()).hexdigest()[:12]}"
 
 
 _memo: OrderedDict[bytes, tuple[str, bool, tuple[int, int] | None]] = OrderedDict()
