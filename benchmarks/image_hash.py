@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.image_content import content_hash, decode_image  # noqa: E402
 
-SIZES = ((512, 512), (1024, 1024), (4032, 3024))
+SIZES = ((512, 512), (1024, 1024), (2048, 2048), (4032, 3024))
 FORMATS = (("PNG", {}), ("JPEG", {"quality": 90}), ("WEBP", {"lossless": True}))
 
 
