@@ -22,6 +22,12 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
 )
+from engine.server.images import (
+    FETCH_TIMEOUT_S,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES_PER_REQUEST,
+    MediaPolicy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +89,19 @@ def add_parser(subparsers: Any) -> None:
                         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name clients send (default: the model's name)")
-    parser.add_argument("--allow-remote-images", action="store_true",
-                        help="allow http(s) image URLs (default: only inline data: URLs)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                        help="fetch http(s) image URLs from these hosts only, exact names, like vLLM's "
+                        "flag (default: none; images must be inline data: URLs)")
+    parser.add_argument("--media-fetch-timeout", type=_positive_float, default=FETCH_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help=f"time limit of one remote image fetch, redirects included "
+                        f"(default: {FETCH_TIMEOUT_S:g}); at most {MAX_IMAGE_BYTES // 2**20} MiB are read")
+    parser.add_argument("--max-images-per-request", type=_positive_int, default=MAX_IMAGES_PER_REQUEST,
+                        metavar="N",
+                        help="image parts one request may carry; more is a 400 before any is decoded "
+                        f"(default: {MAX_IMAGES_PER_REQUEST})")
+    parser.add_argument("--allow-remote-images", nargs=0, action=_Replaced, help=argparse.SUPPRESS,
+                        replacement="--allowed-media-domains HOST [HOST ...]")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="disable reuse of cached prompt prefixes")
     parser.add_argument("--kv-events-config", default=None, metavar="JSON",
@@ -121,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             from engine.server.kv_event_publisher import KVEventsConfig
 
             events_config = KVEventsConfig.from_json(args.kv_events_config)
+        media = MediaPolicy(frozenset(args.allowed_media_domains), timeout_s=args.media_fetch_timeout,
+                            max_images_per_request=args.max_images_per_request)
     except ValueError as exc:
         logger.error("invalid engine settings: %s", exc)
         return 2
@@ -152,12 +171,24 @@ def run(args: argparse.Namespace) -> int:
     engine.start()
     try:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
-                   allow_remote_images=args.allow_remote_images, log_level=args.log_level)
+                   media=media, log_level=args.log_level)
     finally:
         engine.shutdown()
         if publisher is not None:
             publisher.shutdown()
     return 0
+
+
+class _Replaced(argparse.Action):
+    """A removed flag: using it is a usage error (exit 2) naming its replacement."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was removed: allow hosts by name with {self.replacement}")
 
 
 def _check_model(model: str | None) -> None:

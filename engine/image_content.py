@@ -2,7 +2,7 @@
 
 One place for what an image *is*, imported by the engine's server (to decode and key
 images), by the gateway (to compare and route requests with images) and by the
-linter. Torch-free, and Pillow-free at import: Pillow is imported inside the
+linter (to tell whether an image changed between related requests). Torch-free, and Pillow-free at import: Pillow is imported inside the
 functions that need it, so importing this module (and the gateway, for text-only
 use) works without Pillow installed.
 
@@ -31,6 +31,8 @@ derived from the decoded pixels (RGB conversion, resizing) is equal too.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import warnings
@@ -48,6 +50,26 @@ MAX_IMAGE_PIXELS = 40_000_000
 
 HASH_VERSION = b"prefixgate/image/v1\0"
 _LOSSLESS_TO_RGBA = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA"})
+
+
+def data_url_bytes(url: str) -> tuple[str, bytes]:
+    """The media type and bytes of ``data:<media type>;base64,<payload>``; ValueError naming
+    what is wrong. Whitespace in the payload (base64 line wrapping) is ignored."""
+    if not url.startswith("data:"):
+        raise ValueError(f"not a data: URL: {url[:40]!r}")
+    header, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise ValueError("data: URL has no ',' before its payload")
+    params = header.split(";")
+    media_type = params[0].strip().lower() or "text/plain"
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise ValueError("data: URL must be base64-encoded (';base64,')")
+    if not media_type.startswith("image/"):
+        raise ValueError(f"data: URL media type must be image/*, got {media_type!r}")
+    try:
+        return media_type, base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"data: URL payload is not valid base64: {exc}") from exc
 
 
 def decode_image(data: bytes) -> Image:
@@ -104,19 +126,21 @@ class ImageIdentity:
     """What the gateway and the linter call an image.
 
     ``exact`` is True when ``value`` is :func:`content_hash` (the engine's block-key
-    identifier); False when Pillow is missing or could not decode the bytes, and
-    ``value`` is then ``"bytes:" + SHA256(encoded bytes)``: still stable for the
-    same bytes, but the same pixels re-encoded get another value, and it never
-    equals an engine identifier.
+    identifier) and ``size`` is ``(width, height)``; False when Pillow is missing or
+    could not decode the bytes, and ``value`` is then ``"bytes:" + SHA256(encoded
+    bytes)`` and ``size`` None: still stable for the same bytes, but the same pixels
+    re-encoded get another value, and it never equals an engine identifier.
     """
 
     value: str
     exact: bool
+    size: tuple[int, int] | None = None
 
 
 def image_identity(data: bytes) -> ImageIdentity:
     """The content hash of ``data`` where Pillow decodes it, else a hash of the bytes."""
     try:
-        return ImageIdentity(content_hash(decode_image(data)), exact=True)
+        image = decode_image(data)
+        return ImageIdentity(content_hash(image), exact=True, size=image.size)
     except (ValueError, ImportError):
         return ImageIdentity("bytes:" + hashlib.sha256(data).hexdigest(), exact=False)

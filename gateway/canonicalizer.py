@@ -2,8 +2,9 @@
 
 Every step is deterministic, idempotent (applying it twice equals applying it once)
 and semantics-preserving (JSON values compare equal before and after, only key
-order, tool order, tool-result order, argument whitespace or the list-vs-string
-form of a single text part change). User and assistant turns are never reordered
+order, tool order, tool-result order, argument whitespace, the list-vs-string
+form of a single text part, the string-vs-object form of an image URL or a
+default image ``detail`` change). User and assistant turns are never reordered
 or edited. Steps that changed something are reported by name, in this order:
 
 - ``tools.keys_sorted``: object keys of each tool sorted recursively;
@@ -17,7 +18,16 @@ or edited. Steps that changed something are reported by name, in this order:
   put in that turn's ``tool_calls`` order (only when every id in the run is one
   of that turn's call ids and none repeats);
 - ``content.single_text_part``: a content list holding exactly one
-  ``{"type": "text", "text": str}`` part becomes that string.
+  ``{"type": "text", "text": str}`` part becomes that string;
+- ``image_url.object_form``: an ``image_url`` part whose ``image_url`` is a bare URL
+  string gets OpenAI's object form ``{"url": ...}`` (prefixgate's engine reads both);
+- ``image_url.detail_auto_dropped``: ``"detail": "auto"`` is removed from an
+  ``image_url`` object: ``auto`` is the default of OpenAI's API and vLLM and
+  prefixgate's engine ignore ``detail``, so every upstream reads the part alike.
+
+Image steps never touch the URL (a ``data:`` URL's bytes, a remote address) and so
+never the pixels; ``detail`` values other than ``auto`` are kept (they change what
+OpenAI's models see).
 
 The input body is never mutated: changed parts are copied.
 """
@@ -198,6 +208,53 @@ def flatten_single_text_parts(body: Body) -> bool:
     return changed
 
 
+def _map_image_parts(body: Body, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
+    """Apply ``edit`` (a new part, or None for unchanged) to every image_url part; copy on change."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    result = list(messages)
+    changed = False
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        parts = list(content)
+        touched = False
+        for position, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                new = edit(part)
+                if new is not None:
+                    parts[position] = new
+                    touched = True
+        if touched:
+            result[index] = {**message, "content": parts}
+            changed = True
+    if changed:
+        body["messages"] = result
+    return changed
+
+
+def _object_form(part: dict[str, Any]) -> dict[str, Any] | None:
+    url = part.get("image_url")
+    return {**part, "image_url": {"url": url}} if isinstance(url, str) else None
+
+
+def _drop_auto_detail(part: dict[str, Any]) -> dict[str, Any] | None:
+    spec = part.get("image_url")
+    if not isinstance(spec, dict) or spec.get("detail") != "auto":
+        return None
+    return {**part, "image_url": {k: v for k, v in spec.items() if k != "detail"}}
+
+
+def image_object_form(body: Body) -> bool:
+    return _map_image_parts(body, _object_form)
+
+
+def drop_auto_image_detail(body: Body) -> bool:
+    return _map_image_parts(body, _drop_auto_detail)
+
+
 STEPS: tuple[tuple[str, str, Callable[[Body], bool]], ...] = (
     ("tools", "tools.keys_sorted", sort_tool_keys),
     ("tools", "tools.ordered_by_name", order_tools_by_name),
@@ -205,6 +262,8 @@ STEPS: tuple[tuple[str, str, Callable[[Body], bool]], ...] = (
     ("tool_call_arguments", "tool_calls.arguments_canonical", canonicalize_tool_call_arguments),
     ("tool_result_order", "tool_results.reordered", reorder_tool_results),
     ("single_text_part", "content.single_text_part", flatten_single_text_parts),
+    ("image_parts", "image_url.object_form", image_object_form),
+    ("image_parts", "image_url.detail_auto_dropped", drop_auto_image_detail),
 )
 STEP_NAMES: tuple[str, ...] = tuple(name for _, name, _ in STEPS)
 

@@ -118,6 +118,12 @@ class ChatTokenizer:
         return template.render(messages=messages, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
+    def special_added_tokens(self) -> list[str]:
+        """The texts of the tokenizer's special added tokens (each encodes to one id, never
+        merged with its neighbours), highest id first."""
+        decoder = self._tokenizer.get_added_tokens_decoder()
+        return [token.content for _, token in sorted(decoder.items(), reverse=True) if token.special]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._lock:
             return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

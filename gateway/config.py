@@ -38,11 +38,12 @@ class CanonicalizeSwitches:
     tool_call_arguments: bool = True
     tool_result_order: bool = True
     single_text_part: bool = True
+    image_parts: bool = True
 
     @classmethod
     def from_value(cls, value: Any, where: str) -> CanonicalizeSwitches:
         if isinstance(value, bool):
-            return cls(*(value,) * 5)
+            return cls(*(value,) * len(cls.__dataclass_fields__))
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: expected a table or a boolean, got {value!r}")
         known = set(cls.__dataclass_fields__)

@@ -4,6 +4,8 @@
 character where ``current`` stops repeating the part of ``previous`` it should
 repeat, and names the cause at that point, in this order:
 
+0. an image part spans the point on either side (another image, or an image
+   added or removed) -> PS207;
 1. a volatile value spans the point -> PS201;
 2. the tools differ (order or set -> PS202; same data, other key order -> PS203);
 3. ``tool_choice`` or ``response_format`` differ (key order only -> PS203, else PS205);
@@ -33,7 +35,7 @@ from typing import Any, TypeVar
 from linter import chat_request
 from linter.canonical_json import canonical_text, parse_json, sort_keys, tool_names
 from linter.conversation import conversation_keys
-from linter.render import Rendered, Segment, render
+from linter.render import Rendered, Segment, image_name, render
 from linter.tokenizer import ApproxTokenizer, Tokenizer
 from linter.volatile import find_volatile
 
@@ -205,10 +207,37 @@ def _args(call: Mapping[str, Any]) -> Any:
     return args
 
 
+def _image_segment(r: Rendered, seg: Segment | None) -> Segment | None:
+    """``seg`` if it renders an image, or the image it separates from the previous part."""
+    if seg is None or seg.kind == "image":
+        return seg if seg is not None else None
+    if seg.kind == "markup" and seg.end < len(r.text):
+        following = r.segment_at(seg.end)
+        if following is not None and following.kind == "image" and following.location == seg.location:
+            return following
+    return None
+
+
+def _image_cause(pr: Rendered, cr: Rendered, seg_p: Segment, seg_c: Segment | None) -> tuple[str, Segment] | None:
+    image_p, image_c = _image_segment(pr, seg_p), _image_segment(cr, seg_c)
+    before = image_name(pr.text[image_p.start : image_p.end]) if image_p is not None else None
+    after = image_name(cr.text[image_c.start : image_c.end]) if image_c is not None else None
+    if image_p is not None and image_c is not None:
+        return f"image {image_c.location} changed (image {before} became {after})", image_c
+    if image_p is not None:
+        return f"image {image_p.location} (image {before}) was removed or replaced", image_p
+    if image_c is not None:
+        return f"image {image_c.location} (image {after}) was inserted where the earlier request had text", image_c
+    return None
+
+
 def _classify(previous: Mapping[str, Any], current: Mapping[str, Any], pr: Rendered, cr: Rendered, offset: int) -> tuple[str, str, Segment]:
     seg_p, seg_c = pr.segment_at(offset), cr.segment_at(offset)
     seg = seg_c or seg_p
     assert seg is not None and seg_p is not None
+    image = _image_cause(pr, cr, seg_p, seg_c)
+    if image is not None:
+        return "PS207", image[0], image[1]
     volatile = _volatile_cause(pr, seg_p, offset) or _volatile_cause(cr, seg_c, offset)
     if volatile is not None:
         return "PS201", f"prefix diverges inside a volatile value: {volatile}", seg
@@ -254,7 +283,7 @@ def compare(
         # Extends the earlier prompt, or is itself a prefix of it (a retry or a branch).
         return None
     code, why, seg = _classify(previous, current, pr, cr, offset)
-    if code == "PS204" and not edits and why.startswith("history edited"):
+    if not edits and offset >= pr.static_end and (code == "PS207" or why.startswith("history edited")):
         return None
     location = f"{seg.location}[{offset - seg.start}]" if seg.kind in ("message", "tool_call") else seg.location
     lost = tokens_lost(pr, expected_end, cr, tokenizer or _default_tokenizer, block_size)

@@ -14,7 +14,7 @@ from linter.rule import Rule
 
 RULE_MODULES: tuple[str, ...] = (
     "ps101", "ps102", "ps103", "ps104", "ps105", "ps106",
-    "ps201", "ps202", "ps203", "ps204", "ps205", "ps206",
+    "ps201", "ps202", "ps203", "ps204", "ps205", "ps206", "ps207",
     "ps301", "ps302", "ps303", "ps304", "ps305",
 )
 

@@ -15,6 +15,12 @@ separated by newlines), which :class:`~linter.tokenizer.ApproxTokenizer` relies 
 end of the leading system/developer messages (the part a whole family of requests
 shares) and ``history_end`` the end of the last message (the part the next turn of
 the conversation should repeat).
+
+An image part (chat ``image_url``, Responses ``input_image``) renders as one segment
+of kind ``"image"``: ``<image NAME>`` (the image's identity, see
+:mod:`linter.image_parts`) followed by `` img`` repeated so that the text counts about
+the image's estimated tokens. The same image always renders alike; another image
+differs right after ``<image ``, where an engine's cache stops matching too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 import orjson
 
 from linter import chat_request
+from linter.image_parts import ImagePart, image_part
 
 START, END = "<|im_start|>", "<|im_end|>\n"
 
@@ -39,7 +46,7 @@ class Segment:
     start: int
     end: int
     location: str
-    kind: str  # "tools" | "tool_choice" | "response_format" | "message" | "tool_call" | "markup"
+    kind: str  # "tools" | "tool_choice" | "response_format" | "message" | "tool_call" | "image" | "markup"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +112,28 @@ def _render_content(writer: _Writer, message: Mapping[str, Any], prefix: str) ->
                 continue
             if j:
                 writer.add("\n", f"{prefix}.content[{j}]", "markup")
+            image = image_part(part)
             if isinstance(part.get("text"), str):
                 writer.add(part["text"], f"{prefix}.content[{j}].text", "message")
+            elif image is not None:
+                writer.add(image_text(image), f"{prefix}.content[{j}]", "image")
             else:
                 writer.add(f"<{part.get('type', 'part')}>", f"{prefix}.content[{j}]", "message")
+
+
+IMAGE_HEAD = "<image "
+_FILLER = " img"
+_HEAD_TOKENS = 10  # "<image " + 16 hex characters + ">": 5 to 15 pieces of the approximate tokenizer
+
+
+def image_text(image: ImagePart) -> str:
+    """The rendered text of an image part (see the module docstring)."""
+    return f"{IMAGE_HEAD}{image.short}>" + _FILLER * max(0, image.tokens - _HEAD_TOKENS)
+
+
+def image_name(text: str) -> str:
+    """The short name inside an image segment's text (:func:`image_text`)."""
+    return text[len(IMAGE_HEAD) :].split(">", 1)[0] if text.startswith(IMAGE_HEAD) else ""
 
 
 def _render_tool_calls(writer: _Writer, message: Mapping[str, Any], prefix: str) -> None:

@@ -33,6 +33,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.server import errors
 from engine.server.api_key import ApiKeyGuard
 from engine.server.errors import APIError
+from engine.server.images import MediaPolicy
 from engine.server.request_handler import RequestHandler
 
 logger = logging.getLogger(__name__)
@@ -62,16 +63,16 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(err.to_dict(), status_code=500)
 
 
-def create_app(engine: LLMEngine, *, allow_remote_images: bool = False,
+def create_app(engine: LLMEngine, *, media: MediaPolicy | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> Starlette:
     """An ASGI app serving ``engine`` (already started; the caller owns its lifetime).
 
     With ``api_key`` every route but ``/health`` needs it as a bearer token
-    (:class:`~engine.server.api_key.ApiKeyGuard`)."""
+    (:class:`~engine.server.api_key.ApiKeyGuard`). ``media`` says which remote image
+    URLs are fetched (default: none, only inline data: URLs)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
-    handler = RequestHandler(engine, allow_remote_images=allow_remote_images,
-                             max_body_bytes=max_body_bytes)
+    handler = RequestHandler(engine, media=media or MediaPolicy(), max_body_bytes=max_body_bytes)
     routes = [
         Route("/health", handler.health, methods=["GET"]),
         Route("/v1/models", handler.models, methods=["GET"]),
@@ -111,10 +112,10 @@ class _GracefulServer(uvicorn.Server):
 
 
 def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8001,
-               allow_remote_images: bool = False, log_level: str = "info",
+               media: MediaPolicy | None = None, log_level: str = "info",
                api_key: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then return; the caller shuts the engine down."""
-    app = create_app(engine, allow_remote_images=allow_remote_images, api_key=api_key)
+    app = create_app(engine, media=media, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     _GracefulServer(config).run()

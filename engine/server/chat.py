@@ -55,9 +55,6 @@ if TYPE_CHECKING:  # the gateway imports this module and must not import torch
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_JOIN = "\n"
 TOOLS_HEADER = "You may call the following tools. Each line is one tool as JSON:"
-MAX_IMAGES_PER_PROMPT = 32
-"""Images one request may carry: each costs a decode, a processor pass and (for a
-vision-language model) a vision-tower run, so work per request stays bounded."""
 
 
 @dataclass(frozen=True)
@@ -177,9 +174,6 @@ class ChatRenderer:
         if not self.supports_images:
             raise APIError(400, "The model does not accept images (image_url content parts).",
                            param=param, code="model_does_not_accept_images")
-        if len(images) >= MAX_IMAGES_PER_PROMPT:
-            raise invalid_param(f"A request may carry at most {MAX_IMAGES_PER_PROMPT} images.", param,
-                                "too_many_images")
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else spec
         try:

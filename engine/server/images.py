@@ -1,10 +1,13 @@
 """ImageData: one ``image_url`` part decoded into verified pixels, named by their content hash.
 
-Only ``data:`` URLs carrying base64 (``data:image/png;base64,...``) are decoded here.
+``data:`` URLs carrying base64 (``data:image/png;base64,...``) are decoded here.
 Remote (``http``/``https``) URLs are refused unless the server was started with
-``--allow-remote-images``; even then this module never opens a connection itself:
-the caller passes a ``fetch`` function, so what may reach the network is decided in
-one place (the server) and tests never fetch.
+``--allowed-media-domains HOST...`` (a :class:`MediaPolicy`); :func:`load_image` never
+opens a connection itself: the caller passes a ``fetch`` function, built by
+:meth:`MediaPolicy.fetcher`, so what may reach the network is decided in one place.
+A fetch is one GET of an allowed host over http(s), at most ``max_bytes`` and
+``timeout_s`` in total; a redirect is followed (at most :data:`MAX_REDIRECTS`) only to
+an allowed host. The server calls this from a worker thread, never on the event loop.
 
 Invariant: ``ImageData.image`` is the decoded image, verified by
 :func:`engine.image_content.decode_image` (PNG, JPEG or WebP, bounded pixels, not
@@ -16,21 +19,22 @@ sent twice (whatever its encoding or base64 line wrapping) yields the same block
 
 from __future__ import annotations
 
-import base64
-import binascii
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
 
-from engine.image_content import content_hash, decode_image
+from engine.image_content import content_hash, data_url_bytes, decode_image
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 FETCH_TIMEOUT_S = 10.0
+MAX_REDIRECTS = 3
+MAX_IMAGES_PER_REQUEST = 8
 
 ImageFetcher = Callable[[str], bytes]
 
@@ -58,23 +62,7 @@ class ImageData:
 
 def decode_data_url(url: str) -> ImageData:
     """Decode ``data:<media type>;base64,<payload>``; ValueError naming what is wrong."""
-    if not url.startswith("data:"):
-        raise ValueError(f"not a data: URL: {url[:40]!r}")
-    header, sep, payload = url[5:].partition(",")
-    if not sep:
-        raise ValueError("data: URL has no ',' before its payload")
-    params = header.split(";")
-    media_type = params[0].strip().lower() or "text/plain"
-    if "base64" not in (p.strip().lower() for p in params[1:]):
-        raise ValueError("data: URL must be base64-encoded (';base64,')")
-    if not media_type.startswith("image/"):
-        raise ValueError(f"data: URL media type must be image/*, got {media_type!r}")
-    compact = "".join(payload.split())
-    try:
-        data = base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"data: URL payload is not valid base64: {exc}") from exc
-    return ImageData.from_bytes(data)
+    return ImageData.from_bytes(data_url_bytes(url)[1])
 
 
 def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = None) -> ImageData:
@@ -88,29 +76,98 @@ def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = 
         raise ValueError(f"image URL scheme {scheme or '(none)'!r} is not supported; use a data: URL")
     if not allow_remote or fetch is None:
         raise ValueError(
-            "remote image URLs are refused by this engine (start it with --allow-remote-images "
-            "to allow them); send the image inline as a data: URL"
+            "remote image URLs are refused by this engine (start it with --allowed-media-domains HOST "
+            "to allow a host); send the image inline as a data: URL"
         )
     return ImageData.from_bytes(fetch(url))
 
 
-def http_fetcher(*, timeout_s: float = FETCH_TIMEOUT_S, max_bytes: int = MAX_IMAGE_BYTES,
-                 transport: httpx.BaseTransport | None = None) -> ImageFetcher:
-    """A fetcher for ``--allow-remote-images``: one GET, no redirects, bounded time and size."""
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Which remote image URLs the server fetches (none unless ``allowed_domains`` names hosts),
+    and how many images one request may carry (each decoded image is held until the
+    request is rendered: ``max_images_per_request`` x
+    :data:`engine.image_content.MAX_IMAGE_PIXELS` bounds it).
+
+    Hosts match exactly, case-insensitively (``example.com`` does not allow
+    ``cdn.example.com``). ``timeout_s`` bounds a whole fetch, redirects included.
+    """
+
+    allowed_domains: frozenset[str] = frozenset()
+    timeout_s: float = FETCH_TIMEOUT_S
+    max_bytes: int = MAX_IMAGE_BYTES
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+
+    def __post_init__(self) -> None:
+        domains = frozenset(d.strip().lower().rstrip(".") for d in self.allowed_domains)
+        for domain in domains:
+            if not domain or any(c in domain for c in "/:@ *"):
+                raise ValueError(f"--allowed-media-domains takes host names, got {domain!r}")
+        object.__setattr__(self, "allowed_domains", domains)
+        if not self.timeout_s > 0:
+            raise ValueError(f"media fetch timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes!r}")
+        if self.max_images_per_request < 1:
+            raise ValueError(f"max_images_per_request must be >= 1, got {self.max_images_per_request!r}")
+
+    @property
+    def allows_remote(self) -> bool:
+        return bool(self.allowed_domains)
+
+    def fetcher(self, transport: httpx.BaseTransport | None = None) -> ImageFetcher | None:
+        """The fetch function for this policy, or None when no host is allowed."""
+        return http_fetcher(self, transport=transport) if self.allows_remote else None
+
+    def check(self, url: httpx.URL) -> None:
+        """ValueError unless ``url`` is http(s) on an allowed host."""
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"image URL scheme {url.scheme!r} is not supported")
+        host = url.host.lower().rstrip(".")
+        if host not in self.allowed_domains:
+            raise ValueError(f"image host {host!r} is not in --allowed-media-domains")
+
+
+def http_fetcher(policy: MediaPolicy, *, transport: httpx.BaseTransport | None = None) -> ImageFetcher:
+    """A fetcher for ``policy``: GETs of allowed hosts only, bounded in time, size and redirects."""
 
     def fetch(url: str) -> bytes:
+        deadline = time.monotonic() + policy.timeout_s
         try:
-            with httpx.Client(timeout=timeout_s, follow_redirects=False, transport=transport) as client, \
-                    client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise ValueError(f"fetching the image answered HTTP {response.status_code}")
-                body = bytearray()
-                for chunk in response.iter_bytes():
-                    body.extend(chunk)
-                    if len(body) > max_bytes:
-                        raise ValueError(f"remote image is larger than {max_bytes} bytes")
-                return bytes(body)
+            target = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"image URL is not valid: {exc}") from exc
+        try:
+            with httpx.Client(timeout=policy.timeout_s, follow_redirects=False, transport=transport,
+                              trust_env=False) as client:
+                for _ in range(MAX_REDIRECTS + 1):
+                    policy.check(target)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ValueError("fetching the image took longer than the media fetch timeout")
+                    with client.stream("GET", target, timeout=remaining) as response:
+                        if response.is_redirect:
+                            target = response.url.join(response.headers["location"])
+                            continue
+                        if response.status_code != 200:
+                            raise ValueError(f"fetching the image answered HTTP {response.status_code}")
+                        return _read_bounded(response, policy.max_bytes, deadline)
+                raise ValueError(f"fetching the image took more than {MAX_REDIRECTS} redirects")
         except httpx.HTTPError as exc:
             raise ValueError(f"could not fetch the image: {type(exc).__name__}") from exc
 
     return fetch
+
+
+def _read_bounded(response: httpx.Response, max_bytes: int, deadline: float) -> bytes:
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ValueError(f"remote image is larger than {max_bytes} bytes")
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body.extend(chunk)
+        if len(body) > max_bytes:
+            raise ValueError(f"remote image is larger than {max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise ValueError("fetching the image took longer than the media fetch timeout")
+    return bytes(body)

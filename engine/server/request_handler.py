@@ -49,11 +49,11 @@ from engine.server.chat import ChatRenderer
 from engine.server.errors import APIError
 from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
-from engine.server.images import http_fetcher
+from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
-from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
+from engine.server.responses import ResponsesBuilder, responses_param, translate
 from engine.server.structured_output import grammar_for
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
@@ -105,15 +105,16 @@ def _usage(tallies: list[_Tally]) -> Usage:
 class RequestHandler:
     """The request handlers of one app, bound to one engine (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, *, allow_remote_images: bool, max_body_bytes: int) -> None:
+    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, max_body_bytes: int) -> None:
         self.engine = engine
+        self.media = media
         self.max_body_bytes = max_body_bytes
         self.renderer = ChatRenderer(
             engine.tokenizer,
             supports_images=engine.supports_images,
             image_placeholder=getattr(engine, "image_placeholder", None),
-            allow_remote_images=allow_remote_images,
-            fetch=http_fetcher() if allow_remote_images else None,
+            allow_remote_images=media.allows_remote,
+            fetch=media.fetcher(),
             image_processor=getattr(engine, "image_processor", None),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
@@ -200,21 +201,27 @@ class RequestHandler:
             raw = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise errors.malformed_json(str(exc)) from exc
+        origins: list[str] = []  # Responses: the input item each chat message came from
         try:
-            return self._prepare_kind(raw, kind)
+            return self._prepare_kind(raw, kind, origins)
         except APIError as exc:
             if kind == "responses":  # name the Responses field, not the chat one
-                exc.param = responses_param(exc.param)
+                exc.param = responses_param(exc.param, origins)
             raise
 
-    def _prepare_kind(self, raw: object, kind: str) -> _Prepared:
+    def _prepare_kind(self, raw: object, kind: str, origins: list[str]) -> _Prepared:
         if kind == "completion":
             body = parse_completion_body(raw, self.vocab_size)
+        elif kind == "responses":
+            chat, found = translate(raw)
+            origins.extend(found)
+            body = parse_chat_body(chat, self.vocab_size)
         else:
-            body = parse_chat_body(to_chat_body(raw) if kind == "responses" else raw, self.vocab_size)
+            body = parse_chat_body(raw, self.vocab_size)
         if body.model is not None and body.model != self.engine.model_id:
             raise errors.model_not_found(body.model, self.engine.model_id)
         self._refuse_by_size(body)
+        self._refuse_by_image_count(body)
         mm_items: tuple[Any, ...] = ()
         mm_inputs: tuple[Any, ...] = ()
         if body.messages is not None:
@@ -269,6 +276,21 @@ class RequestHandler:
     def _token_text(self, token_id: int) -> str:
         with self._token_text_lock:
             return str(self.engine.tokenizer.decode([token_id]))
+
+    def _refuse_by_image_count(self, body: GenerationBody) -> None:
+        """More image parts than the media policy allows are refused before any is decoded
+        or fetched (bounded work per request); the param names the first one too many."""
+        limit = self.media.max_images_per_request
+        seen = 0
+        for i, message in enumerate(body.messages or ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    seen += 1
+                    if seen > limit:
+                        raise errors.invalid_param(
+                            f"At most {limit} images are accepted per request (--max-images-per-request).",
+                            f"messages[{i}].content[{j}]", "too_many_images")
 
     def _refuse_by_size(self, body: GenerationBody) -> None:
         """A prompt whose text alone cannot fit in the context is refused before it is

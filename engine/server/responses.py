@@ -5,7 +5,9 @@ the server already validates, renders and runs:
 
 * ``instructions`` becomes a leading system message; ``input`` is a string (one
   user message) or items: messages (``role`` + string or ``input_text`` /
-  ``output_text`` parts), ``function_call`` items (an assistant message's
+  ``output_text`` / ``input_image`` parts; an ``input_image``'s ``image_url``, a URL
+  or a ``data:`` URL, and its ``detail`` become chat's ``image_url`` part, so images
+  take the one chat path; ``file_id`` is a 400), ``function_call`` items (an assistant message's
   ``tool_calls``, consecutive calls in one message) and ``function_call_output``
   items (``tool`` messages);
 * function ``tools`` (flat: ``{"type": "function", "name", "parameters"}``) and
@@ -31,8 +33,10 @@ or an ``error`` event when the engine failed. Every event carries a
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -46,6 +50,12 @@ PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "parallel_tool_call
 
 def to_chat_body(body: object) -> dict[str, Any]:
     """The chat request equivalent to a Responses request (see the module docstring)."""
+    return translate(body)[0]
+
+
+def translate(body: object) -> tuple[dict[str, Any], list[str]]:
+    """:func:`to_chat_body`, and for each chat message the Responses param it came from
+    (``"instructions"``, ``"input"`` or ``"input[i]"``), for :func:`responses_param`."""
     if not isinstance(body, dict):
         raise invalid_param("The request body must be a JSON object.", None, "invalid_json")
     if body.get("store") is True:
@@ -59,12 +69,14 @@ def to_chat_body(body: object) -> dict[str, Any]:
         raise unsupported_param("background responses are not supported.", "background")
     chat: dict[str, Any] = {k: body[k] for k in PASSED_THROUGH if body.get(k) is not None}
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise invalid_param("'instructions' must be a string.", "instructions", "invalid_type")
         messages.append({"role": "system", "content": instructions})
-    messages.extend(_input_messages(body.get("input")))
+        origins.append("instructions")
+    messages.extend(_input_messages(body.get("input"), origins))
     chat["messages"] = messages
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
@@ -80,24 +92,35 @@ def to_chat_body(body: object) -> dict[str, Any]:
             chat["response_format"] = _format(text["format"])
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}
-    return chat
+    return chat, origins
 
 
 RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
            ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 
 
-def responses_param(param: str | None) -> str | None:
+def responses_param(param: str | None, origins: Sequence[str] = ()) -> str | None:
     """The Responses API's name for a chat ``param`` named in an error (the chat request
-    came from :func:`to_chat_body`; message indexes do not map one to one, so they go)."""
+    came from :func:`translate`). ``messages[k]...`` becomes the input item message ``k``
+    came from (its ``origins[k]``) with the rest of the path, content part indexes being
+    kept one to one; without origins, plain ``input``."""
+    match = _MESSAGE_PARAM.match(param or "")
+    if match is not None and int(match[1]) < len(origins):
+        origin = origins[int(match[1])]
+        return origin + match[2] if origin.startswith("input[") else origin
     for chat, responses in RENAMED:
         if param is not None and param.startswith(chat):
             return "input" if chat == "messages" else responses + param[len(chat):]
     return param
 
 
-def _input_messages(value: object) -> list[dict[str, Any]]:
+_MESSAGE_PARAM = re.compile(r"messages\[(\d+)\](.*)", re.DOTALL)
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _input_messages(value: object, origins: list[str]) -> list[dict[str, Any]]:
     if isinstance(value, str):
+        origins.append("input")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid_param("'input' must be a string or a non-empty array of input items.", "input")
@@ -109,6 +132,7 @@ def _input_messages(value: object) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item.get("content"), param)})
+            origins.append(param)
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise invalid_param(f"{param} needs 'name' and 'call_id' strings.", param)
@@ -119,11 +143,13 @@ def _input_messages(value: object) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(param)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
                 raise invalid_param(f"{param} needs 'call_id' and 'output' strings.", param)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            origins.append(param)
         else:
             raise unsupported_param(f"{param}.type {kind!r} is not supported; use message, "
                                     "function_call or function_call_output.", f"{param}.type")
@@ -141,10 +167,31 @@ def _content(content: object, param: str) -> object:
                 raise invalid_param(f"{param}.content[{j}].text must be a string.",
                                     f"{param}.content[{j}].text", "invalid_type")
             parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            parts.append(_image_part(part, f"{param}.content[{j}]"))
         else:
             raise unsupported_param(f"{param}.content[{j}] of type {kind!r} is not supported; "
-                                    "only text parts are.", f"{param}.content[{j}]")
+                                    "only text and input_image parts are.", f"{param}.content[{j}]")
     return parts
+
+
+def _image_part(part: dict[str, Any], param: str) -> dict[str, Any]:
+    """Chat's ``image_url`` part for an ``input_image`` (content part indexes stay one to one)."""
+    if part.get("file_id") is not None:
+        raise unsupported_param(f"{param}.file_id is not supported: this engine keeps no files. "
+                                "Send the image as image_url (a data: URL).", f"{param}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise invalid_param(f"{param}.image_url must be a non-empty string (a URL or a data: URL).",
+                            f"{param}.image_url", "invalid_type")
+    spec: dict[str, Any] = {"url": url}
+    detail = part.get("detail")
+    if detail is not None:
+        if detail not in IMAGE_DETAILS:
+            raise invalid_param(f"{param}.detail must be one of {', '.join(IMAGE_DETAILS)}, "
+                                f"got {detail!r}.", f"{param}.detail")
+        spec["detail"] = detail
+    return {"type": "image_url", "image_url": spec}
 
 
 def _tools(tools: object) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 Each line is a log record shaped like what an application logs around an OpenAI
 chat-completions call: ``ts``, ``request_id``, the request body under
 ``request`` (multi-turn chats, tools and tool results, parallel tool calls,
-image parts, ``user``, ``metadata``, ``prompt_cache_key``, ``response_format``)
+image parts (a photo chat whose image URL is re-signed every turn: PS207), ``user``, ``metadata``, ``prompt_cache_key``, ``response_format``)
 and the response's ``usage``, plus ``expect``: the codes ``prefixgate lint``
 must report on that line with its default rules (the label, set where a break
 was planted). ``clean.jsonl`` and ``clean_trailing_space.jsonl`` (each linted on
@@ -192,6 +192,26 @@ def coding_session(log: Log, n: int, *, breaks: dict[str, Any] | None = None) ->
         history.append({"role": "tool", "tool_call_id": f"call_{n}_{t}", "content": f"def parse(row):\n    return row['id_{t}']\n"})
 
 
+def photo_chat(log: Log, n: int, *, resign: bool = False) -> None:
+    """A conversation about a photo; with ``resign`` the app re-signs the photo's URL each turn
+    (a fresh ``sig``/``exp``), so the same picture arrives as another image: PS207."""
+
+    def photo(turn: int) -> dict[str, Any]:
+        query = f"?exp={1_763_700_000 + 3600 * turn}&sig={log.rng.getrandbits(40):010x}" if resign else ""
+        return {"type": "image_url", "image_url": {"url": f"https://cdn.example.com/p/{5000 + n}.jpg{query}"}}
+
+    extra = {"metadata": {"conversation_id": f"photo_{n:04d}"}}
+    first = [{"type": "text", "text": "What plant is this, and is it safe for cats?"}, photo(0)]
+    later = [{"role": "assistant", "content": "It looks like a peace lily; it is toxic to cats."},
+             {"role": "user", "content": "How often should I water it?"},
+             {"role": "assistant", "content": "About once a week, when the top soil is dry."},
+             {"role": "user", "content": "And does it need direct sun?"}]
+    for t in range(3):
+        content = first if t == 0 or not resign else [first[0], photo(t)]
+        messages = [{"role": "user", "content": content}, *later[: 2 * t]]
+        log.add({"model": "gpt-4o", "messages": messages, **extra}, ["PS207"] if resign and t else None)
+
+
 def hi_chat(log: Log, n: int, extra: dict[str, Any] | None = None) -> None:
     """Unrelated chats that all open with a greeting, no ids: never one conversation."""
     opener = HI[n % len(HI)]
@@ -215,6 +235,8 @@ def clean() -> Log:
     # One prompt_cache_key for the whole application, as OpenAI's cache routing suggests: not a conversation.
     for n in range(20, 28):
         hi_chat(log, n, {"prompt_cache_key": "general-assistant-v2"})
+    for n in range(3):
+        photo_chat(log, n)
     return log
 
 
@@ -239,6 +261,8 @@ def breaks() -> Log:
         extraction(log, n, image=n % 3 == 0, breaks={"email": f"billing+{n}@larkspur.example", "first": n == 1} if n % 4 == 1 else None)
         if n % 3 == 0:
             coding_session(log, 100 + n, breaks={"crlf": n in (3, 9)})
+    for n in range(4):
+        photo_chat(log, 10 + n, resign=n % 2 == 0)
     return log
 
 

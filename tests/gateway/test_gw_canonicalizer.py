@@ -13,7 +13,7 @@ from gateway.canonicalizer import STEP_NAMES, canonicalize
 from gateway.config import CanonicalizeSwitches
 
 ALL = CanonicalizeSwitches()
-NONE = CanonicalizeSwitches(False, False, False, False, False)
+NONE = CanonicalizeSwitches(*(False,) * len(CanonicalizeSwitches.__dataclass_fields__))
 
 keys = st.text(alphabet="abcxyz_", min_size=1, max_size=4)
 scalars = st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=5)
@@ -33,6 +33,12 @@ tools = st.lists(
     max_size=4,
 )
 arguments = json_values.map(lambda v: orjson.dumps(v).decode()) | st.text(max_size=8)
+image_urls = st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "https://img.example/a.png"])
+image_parts = (
+    st.builds(lambda u: {"type": "image_url", "image_url": u}, image_urls)
+    | st.builds(lambda u, d: {"type": "image_url", "image_url": {"url": u} if d is None else {"detail": d, "url": u}},
+                image_urls, st.sampled_from([None, "auto", "low", "high"]))
+)
 
 
 @st.composite
@@ -41,6 +47,8 @@ def conversations(draw):
     for turn in range(draw(st.integers(0, 3))):
         messages.append({"role": "user", "content": draw(
             st.text(max_size=8) | st.builds(lambda t: [{"type": "text", "text": t}], st.text(max_size=8))
+            | st.lists(st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=4)) | image_parts,
+                       min_size=1, max_size=3)
         )})
         ids = [f"call_{turn}_{i}" for i in range(draw(st.integers(0, 3)))]
         if ids:
@@ -66,9 +74,17 @@ def semantic_view(body):
         except orjson.JSONDecodeError:
             return ("raw", a)
 
+    def image(part):
+        if part.get("type") != "image_url":
+            return part
+        spec = part["image_url"] if isinstance(part["image_url"], dict) else {"url": part["image_url"]}
+        return {**part, "image_url": {k: v for k, v in spec.items() if (k, v) != ("detail", "auto")}}
+
     messages = []
     for m in body["messages"]:
         m = dict(m)
+        if isinstance(m.get("content"), list):
+            m["content"] = [image(p) for p in m["content"]]
         if isinstance(m.get("content"), list) and len(m["content"]) == 1 and set(m["content"][0]) == {"type", "text"}:
             m["content"] = m["content"][0]["text"]
         if m.get("tool_calls"):
@@ -124,6 +140,9 @@ def test_each_step_on_an_example():
             {"role": "tool", "tool_call_id": "2", "content": "two"},
             {"role": "tool", "tool_call_id": "1", "content": "one"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": "https://img.example/a.png"},
+                                         {"type": "image_url", "image_url": {"url": "data:,", "detail": "auto"}},
+                                         {"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}}]},
         ],
     }
     result, steps = canonicalize(body, ALL)
@@ -137,6 +156,8 @@ def test_each_step_on_an_example():
     assert [m.get("tool_call_id") for m in result["messages"][2:4]] == ["1", "2"]
     assert result["messages"][0]["content"] == "hi"
     assert isinstance(result["messages"][4]["content"], list)  # two parts stay a list
+    assert [p["image_url"] for p in result["messages"][5]["content"]] == [
+        {"url": "https://img.example/a.png"}, {"url": "data:,"}, {"url": "data:,", "detail": "low"}]
     assert canonicalize(body, NONE) == (body, [])
 
 
@@ -154,7 +175,7 @@ def test_switches_are_independent():
     body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
             "tools": [{"function": {"name": "b"}, "type": "function"}, {"type": "function", "function": {"name": "a"}}]}
     only_parts = CanonicalizeSwitches(tools=False, response_format=False, tool_call_arguments=False,
-                                      tool_result_order=False, single_text_part=True)
+                                      tool_result_order=False, single_text_part=True, image_parts=False)
     result, steps = canonicalize(body, only_parts)
     assert steps == ["content.single_text_part"]
     assert result["tools"] == body["tools"] and list(result["tools"][0]) == ["function", "type"]
@@ -179,3 +200,14 @@ def test_values_orjson_cannot_reencode_are_left_as_sent():
     assert steps == []
     assert result["tools"] is body["tools"]
     assert result["messages"][0]["tool_calls"][0]["function"]["arguments"] == deep_arguments
+
+
+def test_image_steps_follow_their_switch_and_never_touch_the_url():
+    url = "data:image/png;base64,iVBORw0KGgo="
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url, "detail": "auto"}}]}]}
+    off = CanonicalizeSwitches(image_parts=False)
+    assert canonicalize(body, off) == (body, [])
+    result, steps = canonicalize(body, ALL)
+    assert steps == ["image_url.detail_auto_dropped"]
+    assert result["messages"][0]["content"][1] == {"type": "image_url", "image_url": {"url": url}}

@@ -147,8 +147,6 @@ def test_keys_chain_over_salt_and_cap_the_last_token(model_dir: Path) -> None:
 
 def test_requests_that_cannot_be_tokenized_have_no_keys(model_dir: Path) -> None:
     keyer = BlockKeyer(ChatTokenizer(model_dir))
-    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
-    assert keyer.keys("chat.completions", {"messages": [{"role": "user", "content": image}]}, None) is None
     assert keyer.keys("chat.completions", {"messages": [{"role": "wizard", "content": "x"}]}, None) is None
     assert keyer.keys("chat.completions", {"messages": []}, None) is None
     assert keyer.keys("completions", {"prompt": [-1]}, None) is None
@@ -157,3 +155,65 @@ def test_requests_that_cannot_be_tokenized_have_no_keys(model_dir: Path) -> None
 def test_missing_files_are_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         ChatTokenizer(tmp_path)
+
+
+def _image(seed: int) -> dict[str, Any]:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (seed, 2 * seed, 3)).save(out, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()}}
+
+
+HISTORY = [{"role": "system", "content": "You describe product photos for a catalogue. " * 6},
+           {"role": "user", "content": "Hello, I have a few photos."}, {"role": "assistant", "content": "Send them."}]
+
+
+@pytest.mark.parametrize("content", [
+    lambda img: [img],
+    lambda img: [{"type": "text", "text": "What is this?"}, img],
+    lambda img: [{"type": "text", "text": "Compare"}, img, {"type": "text", "text": "with"}, _image(99)],
+], ids=["image-only", "text-then-image", "two-images"])
+def test_image_requests_get_the_engines_keys_up_to_the_message_of_their_first_image(model_dir: Path, content) -> None:
+    from transformers import AutoTokenizer
+
+    from engine import hash_block_chain
+    from engine.server.chat import ImagePlaceholder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    placeholder = ImagePlaceholder("<jupyter_text>", tokenizer.convert_tokens_to_ids("<jupyter_text>"), 40)
+    engine = ChatRenderer(tokenizer, supports_images=True, image_placeholder=placeholder)
+    keyer = BlockKeyer(ChatTokenizer(model_dir))
+    chains = []
+    for seed in (1, 2):
+        messages = [*HISTORY, {"role": "user", "content": content(_image(seed))},
+                    {"role": "assistant", "content": "A red mug."}, {"role": "user", "content": "And the handle?"}]
+        prompt = engine.render(messages)
+        first = prompt.mm_items[0]
+        engine_keys = hash_block_chain(prompt.token_ids, 16, cache_salt="s", mm_items=prompt.mm_items)
+        keys = keyer.keys("chat.completions", {"messages": messages}, "s")
+        assert keys is not None and keyer.token_ids("chat.completions", {"messages": messages}) is None
+        assert keys.keys == tuple(engine_keys[: len(keys.keys)])  # exactly the engine's blocks
+        before = keys.num_tokens - 1  # the tokens the gateway kept: up to the image's message
+        assert len(engine.render(HISTORY).token_ids) - 4 <= before <= first.offset
+        assert len(keys.keys) == before // 16 <= first.offset // 16  # no key for a block the image overlaps
+        assert keys.max_hit_blocks == len(keys.keys) >= 3
+        chains.append((keys.keys, engine_keys, first.offset))
+    (gw_a, engine_a, offset), (gw_b, engine_b, _) = chains
+    assert gw_a == gw_b  # the image never enters the gateway's keys
+    shared = next(i for i, (x, y) in enumerate(zip(engine_a, engine_b, strict=False)) if x != y)
+    assert shared == offset // 16  # the engine's chains part at the image's first block
+
+
+def test_a_responses_input_image_is_keyed_like_the_chat_image(model_dir: Path) -> None:
+    keyer = BlockKeyer(ChatTokenizer(model_dir))
+    url = _image(5)["image_url"]["url"]
+    chat = {"messages": [*HISTORY, {"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                                _image(5)]}]}
+    responses = {"input": [*HISTORY, {"role": "user", "content": [
+        {"type": "input_text", "text": "What is it?"}, {"type": "input_image", "image_url": url, "detail": "auto"}]}]}
+    a, b = keyer.keys("chat.completions", chat, "s"), keyer.keys("responses", responses, "s")
+    assert a is not None and a == b and len(a.keys) >= 3

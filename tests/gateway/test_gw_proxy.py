@@ -297,3 +297,52 @@ def test_health_and_metrics(tmp_path, fake_upstream):
     assert 'prefixgate_requests_total{endpoint="chat.completions",status="200"} 1.0' in text
     assert "prefixgate_cached_tokens_total 16.0" in text
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def _png_url(seed: int, side: int) -> str:
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+
+    image = Image.frombytes("RGB", (side, side), random.Random(seed).randbytes(side * side * 3))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_an_image_changed_between_turns_is_warned_with_the_tokens_lost(tmp_path, fake_upstream):
+    """Small images are checked in a thread, large bodies (over 64 KB) in the helper process: both."""
+    question = {"type": "text", "text": "What is in this picture? Please describe it in detail."}
+
+    def turns(first: str, second: str) -> tuple[dict, dict]:
+        one = {"model": "fake-model", "messages": [{"role": "user", "content": [question, {
+            "type": "image_url", "image_url": {"url": first}}]}]}
+        two = {"model": "fake-model", "messages": [
+            {"role": "user", "content": [question, {"type": "image_url", "image_url": {"url": second}}]},
+            {"role": "assistant", "content": "Noise."}, {"role": "user", "content": "Which colours?"}]}
+        return one, two
+
+    async def go():
+        results = []
+        async with gateway_client(make_settings(tmp_path, CONFIG), httpx.ASGITransport(fake_upstream.app)) as gw:
+            for n, side in enumerate((24, 200)):
+                a, b = _png_url(2 * n, side), _png_url(2 * n + 1, side)
+                for first, second, thread in ((a, a, f"same-{n}"), (a, b, f"other-{n}")):
+                    one, two = turns(first, second)
+                    headers = {**auth(KEY_A), CONVERSATION_HEADER: thread}
+                    await gw.post("/v1/chat/completions", json=one, headers=headers)
+                    results.append((side, first == second, await gw.post("/v1/chat/completions", json=two,
+                                                                         headers=headers)))
+        return results
+
+    for side, same, response in run(go()):
+        assert response.status_code == 200
+        found = [w for w in response.json().get("prefix_warnings", []) if w["code"].startswith("PS2")]
+        if same:
+            assert found == [], (side, found)
+            continue
+        (warning,) = found
+        assert warning["code"] == "PS207" and warning["location"] == "messages[0].content[1]", (side, warning)
+        assert warning["tokens_lost"] >= 255 - 16  # at least the image's own estimate (one 512-px tile)

@@ -51,7 +51,7 @@ def test_compare_requests_reports_the_cause_and_tokens_lost():
 
 def test_rule_codes_and_explain():
     codes = rule_codes()
-    assert codes == sorted(all_rules()) and len(codes) == 17
+    assert codes == sorted(all_rules()) and len(codes) == 18
     for code in codes:
         doc = explain(code)
         assert doc.startswith(code) and "Why it matters" in doc and "Anti-pattern" in doc and "Better" in doc

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import data_url, picture
+from vlm_samples import data_url, picture
 
 BS = 4
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

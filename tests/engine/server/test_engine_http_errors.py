@@ -115,6 +115,33 @@ def test_images_on_a_text_only_model(client, tiny_engine):
         assert "model does not accept images" in error["message"]
 
 
+def test_more_images_than_the_policy_allows_are_refused_before_any_is_decoded(client, tiny_engine):
+    never_decoded = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}}
+    content = [{"type": "text", "text": "compare"}, *[never_decoded] * 9]
+    body = sdk_error(client.chat.completions.create, 400, model=tiny_engine.model_id,
+                     messages=[{"role": "user", "content": content}])
+    error = assert_error_shape(body, code="too_many_images", param="messages[0].content[9]")
+    assert "At most 8 images" in error["message"]
+    parts = [{"type": "input_image", "image_url": "data:image/png;base64,@@", "detail": "low"}] * 9
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     input=[{"role": "user", "content": parts}])
+    assert_error_shape(body, code="too_many_images", param="input[0].content[8]")
+
+
+def test_responses_input_image_errors_name_the_input_item_and_part(client, tiny_engine):
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
+    content = [{"type": "input_text", "text": "what is this"},
+               {"type": "input_image", "image_url": png, "detail": "auto"}]
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     instructions="Be brief.", input=[{"role": "user", "content": content}])
+    error = assert_error_shape(body, param="input[0].content[1]")
+    assert "model does not accept images" in error["message"]
+    bad_detail = [{"type": "input_image", "image_url": png, "detail": "huge"}]
+    body = sdk_error(client.responses.create, 400, model=tiny_engine.model_id, store=False,
+                     input=[{"role": "user", "content": "hi"}, {"role": "user", "content": bad_detail}])
+    assert_error_shape(body, param="input[1].content[0].detail")
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b'{"messages": [', b"\xff\xfe"])
 def test_malformed_json_is_400(live, raw):
     resp = httpx.post(live.api_url + "/chat/completions", content=raw, headers={"content-type": "application/json"})
@@ -218,9 +245,10 @@ def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_en
 def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
     """Each token covers at most `max_token_chars` characters: past that many per token of
     context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
+    from engine.server.images import MediaPolicy
     from engine.server.request_handler import RequestHandler
 
-    handler = RequestHandler(tiny_engine, allow_remote_images=False, max_body_bytes=64 * 1024 * 1024)
+    handler = RequestHandler(tiny_engine, media=MediaPolicy(), max_body_bytes=64 * 1024 * 1024)
     per_token = handler.renderer.max_token_chars
     assert per_token is not None and per_token >= max(len(t) for t in tiny_engine.tokenizer.get_vocab())
     calls = []

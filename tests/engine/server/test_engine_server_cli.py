@@ -19,7 +19,8 @@ def test_defaults_follow_the_process_contract():
     assert (args.model, args.host, args.port) == (None, "127.0.0.1", 8001)
     assert (args.block_size, args.dtype, args.served_model_name) == (16, "auto", None)
     assert args.kv_cache_memory > 0
-    assert not args.allow_remote_images and not args.no_prefix_caching
+    assert args.allowed_media_domains == [] and not args.no_prefix_caching
+    assert args.media_fetch_timeout == 10.0 and args.max_images_per_request == 8
     assert callable(args.func)
 
 
@@ -27,19 +28,31 @@ def test_every_contract_flag_parses():
     args = build_parser().parse_args([
         "engine", "--model", "/models/x", "--host", "0.0.0.0", "--port", "9000", "--block-size", "32",
         "--kv-cache-memory", "0.5", "--dtype", "float32", "--served-model-name", "m",
-        "--allow-remote-images", "--no-prefix-caching",
+        "--allowed-media-domains", "img.example", "cdn.example", "--media-fetch-timeout", "2.5",
+        "--max-images-per-request", "3",
+        "--no-prefix-caching",
     ])
     assert (args.model, args.host, args.port, args.block_size) == ("/models/x", "0.0.0.0", 9000, 32)
     assert (args.kv_cache_memory, args.dtype, args.served_model_name) == (0.5, "float32", "m")
-    assert args.allow_remote_images and args.no_prefix_caching
+    assert args.allowed_media_domains == ["img.example", "cdn.example"] and args.no_prefix_caching
+    assert args.media_fetch_timeout == 2.5 and args.max_images_per_request == 3
 
 
 @pytest.mark.parametrize("argv", [["--port", "0"], ["--port", "70000"], ["--block-size", "-1"],
-                                  ["--kv-cache-memory", "0"], ["--dtype", "float16"]])
+                                  ["--kv-cache-memory", "0"], ["--dtype", "float16"],
+                                  ["--media-fetch-timeout", "0"], ["--allowed-media-domains"],
+                                  ["--max-images-per-request", "0"]])
 def test_bad_flags_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["engine", *argv])
     assert info.value.code == 2
+
+
+def test_the_removed_allow_remote_images_flag_is_a_usage_error_naming_its_replacement(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["engine", "--allow-remote-images"])
+    assert info.value.code == 2
+    assert "--allowed-media-domains" in capsys.readouterr().err
 
 
 def test_help_has_an_example(capsys):
@@ -127,3 +140,10 @@ def test_batching_flags_parse_and_reject_zero():
         with pytest.raises(SystemExit) as info:
             build_parser().parse_args(["engine", flag, "0"])
         assert info.value.code == 2
+
+
+@pytest.mark.parametrize("host", ["http://img.example", "img.example:8080", "*.example", "user@img.example"])
+def test_allowed_media_domains_take_host_names_only(host, caplog):
+    args = build_parser().parse_args(["engine", "--allowed-media-domains", host])
+    assert args.func(args) == 2
+    assert "allowed-media-domains" in caplog.text

@@ -5,7 +5,7 @@ import pytest
 
 from engine.server.errors import APIError
 from engine.server.response_builder import Usage
-from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body
+from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body, translate
 
 
 def test_items_become_messages_tools_and_formats():
@@ -37,7 +37,12 @@ def test_items_become_messages_tools_and_formats():
     ({"input": []}, "input"),
     ({"input": [{"type": "reasoning"}]}, "input[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].file_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": "x"}]}]},
+     "input[0].content[0].detail"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 7}]}]}, "input[0].content[0].text"),
 ])
 def test_refusals_name_the_param(body, param):
@@ -80,3 +85,33 @@ def test_chat_params_in_errors_get_their_responses_names():
     assert responses_param("max_completion_tokens") == "max_output_tokens"
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_param("temperature") == "temperature" and responses_param(None) is None
+
+
+def test_input_image_parts_become_chat_image_url_parts_in_place():
+    url = "data:image/png;base64,AAAA"
+    chat = to_chat_body({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is it?"},
+        {"type": "input_image", "image_url": url, "detail": "low"},
+        {"type": "input_image", "image_url": "https://img.example/a.png"},
+    ]}]})
+    assert chat["messages"][0]["content"] == [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        {"type": "image_url", "image_url": {"url": "https://img.example/a.png"}},
+    ]
+
+
+def test_each_chat_message_knows_the_input_item_it_came_from():
+    _, origins = translate({"instructions": "x", "input": [
+        {"role": "user", "content": "a"},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]},
+    ]})
+    assert origins == ["instructions", "input[0]", "input[1]", "input[3]", "input[4]"]
+    assert responses_param("messages[4].content[0].image_url", origins) == "input[4].content[0].image_url"
+    assert responses_param("messages[0].content", origins) == "instructions"
+    assert responses_param("messages[9].role", origins) == "input"
+    _, origins = translate({"input": "just text"})
+    assert responses_param("messages[0].content", origins) == "input"

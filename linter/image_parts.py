@@ -1,0 +1,119 @@
+"""Image parts as the linter sees them: what the image is, and about how many tokens it costs.
+
+An image changes the prompt like text does: a later request that sends another
+image where the earlier one had this one shares no KV block from that point on (an
+engine keys every block an image overlaps by the image's hash). So the linter
+renders each image part (:mod:`linter.render`) as a segment whose text names the
+image and tokenizes to about the image's token count.
+
+Identity (:attr:`ImagePart.identity`):
+
+* a ``data:`` URL: :func:`engine.image_content.image_identity` of its bytes, the
+  engine's own content hash (pixels and shape) where Pillow is importable; without
+  Pillow, or for bytes Pillow cannot decode, a hash of the encoded bytes
+  (``exact`` False): the same image re-encoded (PNG vs WebP) then counts as changed;
+* a remote URL: the URL itself (``url:...``): the linter never fetches, so the same
+  URL is assumed to name the same image;
+* anything else (no URL, bad base64): ``invalid:`` and a hash of the part's JSON.
+
+Tokens (:func:`estimate_tokens`): OpenAI's published count for its tile-based
+vision models, the one count a client-side tool can name without knowing the
+model: ``detail: "low"`` is 85 tokens; otherwise the image is scaled to fit
+2048x2048, then its shorter side down to 768, and costs 85 + 170 per 512-pixel tile
+(a 1024x1024 image: 765). When the size is unknown (a remote URL, no Pillow) an
+image counts 765. Local vision-language models differ (LLaVA-1.5: 576 per image);
+the figure sizes ``tokens_lost``, it is not the engine's count.
+
+Decoding is memoized per URL (by its SHA256, at most :data:`MEMO_SIZE` entries):
+the gateway compares every turn with the previous one, and a conversation's images
+repeat in each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.image_content import data_url_bytes, image_identity
+from linter.canonical_json import canonical_text
+
+LOW_DETAIL_TOKENS = 85
+TILE_TOKENS = 170
+UNKNOWN_SIZE_TOKENS = LOW_DETAIL_TOKENS + 4 * TILE_TOKENS
+MEMO_SIZE = 256
+IMAGE_TYPES = ("image_url", "input_image")
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """One image part: ``identity`` (see the module docstring), whether it is the engine's
+    content hash (``exact``), its pixel size when decoded, and the estimated ``tokens``."""
+
+    identity: str
+    exact: bool
+    size: tuple[int, int] | None
+    tokens: int
+
+    @property
+    def short(self) -> str:
+        """A 16-character name for messages and rendered text."""
+        if self.exact:
+            return self.identity[:16]
+        return self.identity.split(":", 1)[0][:1] + hashlib.sha256(self.identity.encode()).hexdigest()[:15]
+
+
+_memo: OrderedDict[bytes, tuple[str, bool, tuple[int, int] | None]] = OrderedDict()
+_memo_lock = threading.Lock()
+
+
+def image_part(part: Mapping[str, Any]) -> ImagePart | None:
+    """The image a chat ``image_url`` or Responses ``input_image`` part sends; None for other parts."""
+    kind = part.get("type")
+    if kind not in IMAGE_TYPES:
+        return None
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    detail_from = spec if kind == "image_url" and isinstance(spec, Mapping) else part
+    detail = detail_from.get("detail")
+    identity, exact, size = _identify(url, part)
+    return ImagePart(identity, exact, size, estimate_tokens(size, detail))
+
+
+def _identify(url: object, part: Mapping[str, Any]) -> tuple[str, bool, tuple[int, int] | None]:
+    if not isinstance(url, str) or not url:
+        return "invalid:" + hashlib.sha256(canonical_text(dict(part)).encode()).hexdigest(), False, None
+    if not url.startswith("data:"):
+        return "url:" + url, False, None
+    key = hashlib.sha256(url.encode("utf-8", "surrogatepass")).digest()
+    with _memo_lock:
+        found = _memo.get(key)
+        if found is not None:
+            _memo.move_to_end(key)
+            return found
+    try:
+        identity = image_identity(data_url_bytes(url)[1])
+        result = (identity.value, identity.exact, identity.size)
+    except ValueError:
+        result = ("invalid:" + key.hex(), False, None)
+    with _memo_lock:
+        _memo[key] = result
+        if len(_memo) > MEMO_SIZE:
+            _memo.popitem(last=False)
+    return result
+
+
+def estimate_tokens(size: tuple[int, int] | None, detail: object = None) -> int:
+    """Estimated prompt tokens of one image (see the module docstring)."""
+    if detail == "low":
+        return LOW_DETAIL_TOKENS
+    if size is None:
+        return UNKNOWN_SIZE_TOKENS
+    fit = min(1.0, 2048 / max(size))
+    scale = fit * min(1.0, 768 / (min(size) * fit))
+    tiles = math.ceil(size[0] * scale / 512) * math.ceil(size[1] * scale / 512)
+    return LOW_DETAIL_TOKENS + TILE_TOKENS * tiles
