@@ -89,6 +89,10 @@ def test_a_served_tiny_llava_caches_image_blocks_and_matches_transformers(vlm_di
 
         first, second, other = ask(picture(1)), ask(picture(1)), ask(picture(2))
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        # the same picture through /v1/responses (input_image): same prompt, so its image blocks are cached
+        response = client.responses.create(model=model_dir.name, max_output_tokens=8, temperature=0, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                         {"type": "input_image", "image_url": data_url(picture(1))}]}])
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -100,6 +104,8 @@ def test_a_served_tiny_llava_caches_image_blocks_and_matches_transformers(vlm_di
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached == (prompt_tokens - 1) // BS * BS >= image_end
     assert other.usage.prompt_tokens_details.cached_tokens == image_start // BS * BS
+    assert response.output_text == text
+    assert response.usage.input_tokens == prompt_tokens and response.usage.input_tokens_details.cached_tokens == cached
     assert f'prefixgate_engine_encoder_cache_misses_total{{model_name="{model_dir.name}"}} 2.0' in metrics
     assert f'prefixgate_engine_encoder_cache_entries{{model_name="{model_dir.name}"}} 2.0' in metrics
 
