@@ -143,12 +143,13 @@ def _worker(settings: GatewaySettings, sock: socket.socket, log_level: str, hist
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.launcher import configure_logging
+    from gateway.launcher import configure_logging, settle_heap
     from gateway.shared_history import HistoryClient
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which forwards SIGTERM once
     _die_with(parent)
     configure_logging(log_level)
     app = create_app(settings, history=HistoryClient(history_path))
+    settle_heap()
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])

@@ -104,3 +104,18 @@ def test_workers_must_be_a_positive_number(tmp_path):
     done = subprocess.run([*CLI, "gateway", "--upstream", "http://127.0.0.1:1", "--data-dir", str(tmp_path),
                            "--workers", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--workers" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_generation_less_often():
+    import gc
+
+    from gateway.launcher import settle_heap
+
+    threshold = gc.get_threshold()
+    try:
+        settle_heap(young_threshold=12_345)
+        assert gc.get_freeze_count() > 1000  # the modules and objects built so far
+        assert gc.get_threshold() == (12_345, *threshold[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
