@@ -1,5 +1,9 @@
 """The upstream engine behind the gateway, reached over one pooled httpx client.
 
+Inference requests (``post``, ``stream``) go straight to the client's transport
+(the client's timeouts, none of its cookie jar, URL merging or logging: see
+``Upstream._send``); health checks and ``GET``s use the client itself.
+
 This module is the only place where httpx exceptions and upstream statuses become
 gateway errors:
 
