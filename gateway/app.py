@@ -19,9 +19,11 @@ import anyio
 import httpx
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.authenticator import Authenticator
 from gateway.connection_pool import ConnectionPool
@@ -30,7 +32,7 @@ from gateway.database import create_db_engine
 from gateway.errors import GatewayError, NotFound, error_response
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_warner import History, PrefixWarner
-from gateway.proxy import Proxy
+from gateway.proxy import PATHS, Proxy
 from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
@@ -52,6 +54,35 @@ def default_client(settings: GatewaySettings) -> httpx.AsyncClient:
     # would fail a request with a read error.
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512, keepalive_expiry=4.0)
     return httpx.AsyncClient(timeout=timeout, transport=ConnectionPool(limits=limits))
+
+
+class InferenceRoutes:
+    """The three inference routes as plain ASGI, in front of Starlette's routing.
+
+    A POST to one of :data:`INFERENCE_PATHS` goes straight to :meth:`Proxy.handle`;
+    everything else (other paths and methods, 404 and 405 included) continues to
+    the router. Installed as the app's only middleware, so it runs inside
+    Starlette's ``ServerErrorMiddleware`` (an exception still becomes a 500) but
+    skips the exception middleware, route matching and per-route wrappers: under
+    load those layers cost as much CPU as the proxy's own work. ``Proxy.handle``
+    renders every error itself, so nothing those layers do is lost.
+    """
+
+    def __init__(self, app: ASGIApp, state: GatewayState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = INFERENCE_PATHS.get(scope["path"])
+            if endpoint is not None:
+                response = await self.state.proxy.handle(Request(scope, receive), endpoint)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+INFERENCE_PATHS = {path: endpoint for endpoint, path in PATHS.items()}
 
 
 class GatewayState:
@@ -98,14 +129,10 @@ def create_app(
     """The app; ``history`` is the shared conversation history when several workers serve it."""
     state = GatewayState(settings, client, history)
 
-    async def chat_completions(request: Request) -> Response:
-        return await state.proxy.handle(request, "chat.completions")
-
-    async def completions(request: Request) -> Response:
-        return await state.proxy.handle(request, "completions")
-
-    async def responses(request: Request) -> Response:
-        return await state.proxy.handle(request, "responses")
+    def inference(endpoint: str) -> Any:
+        async def handle(request: Request) -> Response:
+            return await state.proxy.handle(request, endpoint)
+        return handle
 
     async def models(request: Request) -> Response:
         try:
@@ -153,15 +180,15 @@ def create_app(
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/responses", responses, methods=["POST"]),
+            # Answered by InferenceRoutes before routing; the routes give other methods their 405.
+            *(Route(path, inference(endpoint), methods=["POST"]) for path, endpoint in INFERENCE_PATHS.items()),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cache/stats", cache_stats, methods=["GET"]),
             dashboard_route(state),
         ],
+        middleware=[Middleware(InferenceRoutes, state=state)],
         exception_handlers={404: not_found, 405: method_not_allowed},
         lifespan=lifespan,
     )

@@ -42,6 +42,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httptools
 import httpx
@@ -79,8 +80,8 @@ class _Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # Not an isinstance check: uvloop's TCP transport is not an asyncio.Transport subclass.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if not self.active or self.complete:

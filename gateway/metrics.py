@@ -27,7 +27,10 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._live: list[Any] = []
+        # Child metrics by label values: ``labels()`` costs more than the increment itself.
         self._request_children: dict[tuple[str, int], Any] = {}
+        self._warning_children: dict[str, Any] = {}
+        self._step_children: dict[str, Any] = {}
         self.requests = Counter(
             "prefixgate_requests", "Proxied requests by endpoint and status.",
             ["endpoint", "status"], registry=self.registry,
@@ -71,9 +74,15 @@ class GatewayMetrics:
         if record.cached_tokens is not None:
             self.cached_tokens.inc(record.cached_tokens)
         for code in set(record.warning_codes):
-            self.warnings.labels(code).inc()
+            child = self._warning_children.get(code)
+            if child is None:
+                child = self._warning_children[code] = self.warnings.labels(code)
+            child.inc()
         for step in record.canonicalization:
-            self.canonicalized.labels(step).inc()
+            child = self._step_children.get(step)
+            if child is None:
+                child = self._step_children[step] = self.canonicalized.labels(step)
+            child.inc()
         self.latency.observe(record.latency_ms / 1000.0)
         if record.ttft_ms is not None:
             self.ttft.observe(record.ttft_ms / 1000.0)

@@ -26,7 +26,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import orjson
 
@@ -35,26 +35,29 @@ from linter.api import ConversationKeys
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
+_BUFFER = 1 << 16
 
 
 def _send(sock: socket.socket, *frames: bytes) -> None:
     sock.sendall(b"".join(_LENGTH.pack(len(frame)) + frame for frame in frames))
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    chunks, remaining = [], size
-    while remaining:
-        chunk = sock.recv(min(remaining, 1 << 20))
-        if not chunk:
-            raise EOFError("history connection closed")
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
+def _reader(sock: socket.socket) -> BinaryIO:
+    """Buffered reads: a frame's length and payload (usually both frames of a request)
+    come out of one ``recv``, not one each: every blocking call hands the GIL back and forth."""
+    return cast(BinaryIO, sock.makefile("rb", buffering=_BUFFER))
 
 
-def _recv(sock: socket.socket) -> bytes:
-    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    return _recv_exact(sock, size)
+def _recv_exact(reader: BinaryIO, size: int) -> bytes:
+    data = reader.read(size)
+    if len(data) != size:
+        raise EOFError("history connection closed")
+    return data
+
+
+def _recv(reader: BinaryIO) -> bytes:
+    (size,) = _LENGTH.unpack(_recv_exact(reader, _LENGTH.size))
+    return _recv_exact(reader, size)
 
 
 class HistoryServer:
@@ -70,10 +73,11 @@ class HistoryServer:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 sock: socket.socket = self.request
+                reader = _reader(sock)
                 while True:
                     try:
-                        tenant, lookup, remember, explicit, body_size = orjson.loads(_recv(sock))
-                        body = _recv(sock)
+                        tenant, lookup, remember, explicit, body_size = orjson.loads(_recv(reader))
+                        body = _recv(reader)
                         keys = ConversationKeys(tuple(lookup), remember, explicit)
                     except (EOFError, OSError, orjson.JSONDecodeError, ValueError, TypeError):
                         return
@@ -109,10 +113,10 @@ class HistoryClient:
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
         try:
-            sock = self._socket()
+            sock, reader = self._socket()
             payload = orjson.dumps(body) if body_size <= self.max_body_bytes else b""
             _send(sock, orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size]), payload)
-            previous = _recv(sock)
+            previous = _recv(reader)
         except (OSError, EOFError, TypeError) as exc:
             log.warning("shared conversation history unreachable (%s); checking this request alone", exc)
             self._drop()
@@ -122,17 +126,18 @@ class HistoryClient:
         loaded: Mapping[str, Any] = orjson.loads(previous)
         return loaded
 
-    def _socket(self) -> socket.socket:
+    def _socket(self) -> tuple[socket.socket, BinaryIO]:
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(10.0)
             sock.connect(self.path)
-            self._local.sock = sock
-        return sock
+            self._local.sock, self._local.reader = sock, _reader(sock)
+        return sock, self._local.reader
 
     def _drop(self) -> None:
         sock = getattr(self._local, "sock", None)
         self._local.sock = None
         if sock is not None:
+            self._local.reader.close()
             sock.close()

@@ -1,11 +1,19 @@
-"""Several gateway worker processes on one listening socket (``prefixgate gateway --workers N``).
+"""Several gateway worker processes on one port (``prefixgate gateway --workers N``).
 
 Why processes: the proxy's per-request work (parsing, canonicalization, the
 linter's checks) is Python and holds the GIL, so one process uses one core.
 
-The supervisor binds the socket once and starts N workers with the ``spawn``
-method (nothing inherited by fork); each runs uvicorn on that socket and the
-kernel hands every new connection to one of them. State that must be one for
+The supervisor binds the port (so a port in use fails at once) and starts N
+workers with the ``spawn`` method (nothing inherited by fork). Each worker listens
+on its own socket bound to that port with ``SO_REUSEPORT``, and the kernel spreads
+new connections over them by a hash of the client's address and port. (One socket
+shared by all workers was spread by whoever woke first: an event loop accepts
+every pending connection at once, so wrk's 128 connections, opened together, went
+128 / 0 or 78 / 50 and one worker did most of the work.) The supervisor's own
+socket is bound but never listens, so it holds the port and gets no connection.
+Without ``SO_REUSEPORT`` (not Linux/BSD) the workers share the supervisor's
+listening socket as before. A worker that exits drops the connections still
+waiting in its accept queue (the clients see a reset). State that must be one for
 the whole gateway is designed for it:
 
 - stats rows: each worker's ``StatsWriter`` inserts its own batches into the same
@@ -57,16 +65,22 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket. Its protocol must be IPPROTO_TCP (not 0): asyncio sets
-    TCP_NODELAY only on accepted sockets that say so, and without it Nagle's algorithm
-    and delayed ACKs held every response ~40 ms."""
+REUSE_PORT = hasattr(socket, "SO_REUSEPORT")
+
+
+def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A socket bound to ``host:port`` (listening unless ``listen`` is false). Its protocol
+    must be IPPROTO_TCP (not 0): asyncio sets TCP_NODELAY only on accepted sockets that
+    say so, and without it Nagle's algorithm and delayed ACKs held every response ~40 ms."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError:
         sock.close()
         raise
@@ -79,7 +93,9 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
     from gateway.prefix_warner import PrefixWarner
     from gateway.shared_history import HistoryServer
 
-    sock = bind(host, port)
+    sock = bind(host, port, reuse_port=REUSE_PORT, listen=not REUSE_PORT)
+    port = sock.getsockname()[1]
+    shared = None if REUSE_PORT else sock  # else each worker binds its own socket to (host, port)
     metrics_dir = tempfile.mkdtemp(prefix="prefixgate-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
     history = HistoryServer(PrefixWarner()).start()
@@ -89,7 +105,7 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
 
     def start(index: int) -> Any:
         process = context.Process(
-            target=_worker, args=(settings, sock, log_level, history.path, os.getpid()),
+            target=_worker, args=(settings, shared, host, port, log_level, history.path, os.getpid()),
             name=f"prefixgate-worker-{index}",
         )
         process.start()
@@ -139,16 +155,21 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
-def _worker(settings: GatewaySettings, sock: socket.socket, log_level: str, history_path: str, parent: int) -> None:
+def _worker(
+    settings: GatewaySettings, shared: socket.socket | None, host: str, port: int, log_level: str,
+    history_path: str, parent: int,
+) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.launcher import configure_logging
+    from gateway.launcher import configure_logging, settle_heap
     from gateway.shared_history import HistoryClient
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which forwards SIGTERM once
     _die_with(parent)
     configure_logging(log_level)
     app = create_app(settings, history=HistoryClient(history_path))
+    settle_heap()
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+    sock = shared if shared is not None else bind(host, port, reuse_port=True)
     uvicorn.Server(config).run(sockets=[sock])

@@ -1,5 +1,9 @@
 """The upstream engine behind the gateway, reached over one pooled httpx client.
 
+Inference requests (``post``, ``stream``) go straight to the client's transport
+(the client's timeouts, none of its cookie jar, URL merging or logging: see
+``Upstream._send``); health checks and ``GET``s use the client itself.
+
 This module is the only place where httpx exceptions and upstream statuses become
 gateway errors:
 
@@ -29,19 +33,25 @@ from gateway.errors import (
 )
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 SENT_EVENT = "http11.send_request_body.complete"
 
 
-def _extensions(on_sent: Callable[[], None] | None) -> dict[str, Any]:
+class _Trace:
     """An httpcore trace hook calling ``on_sent`` once the request body is on the wire."""
-    if on_sent is None:
-        return {}
 
-    async def trace(event: str, info: dict[str, Any]) -> None:
+    def __init__(self, on_sent: Callable[[], None]) -> None:
+        self.on_sent = on_sent
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
         if event == SENT_EVENT:
-            on_sent()
+            self.on_sent()
 
-    return {"trace": trace}
+
+def _transport_of(client: httpx.AsyncClient, url: httpx.URL) -> httpx.AsyncBaseTransport:
+    """The transport ``client`` sends ``url``'s requests through (its mounts honoured).
+    httpx has no public accessor; this private one is stable across its 0.x releases."""
+    return client._transport_for_url(url)
 
 
 class UpstreamClientError(GatewayError):
@@ -123,6 +133,31 @@ class Upstream:
         self.kind = kind
         self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.health_path = "/v1/models" if kind == "openai" else "/health"
+        self._json_headers = [(k.encode(), v.encode()) for k, v in {**JSON_HEADERS, **self.auth}.items()]
+        self._sse_headers = [(k.encode(), v.encode()) for k, v in {**SSE_HEADERS, **self.auth}.items()]
+        self._urls: dict[str, httpx.URL] = {}
+        self._transport = _transport_of(client, httpx.URL(self.base_url))
+
+    async def _send(
+        self, path: str, content: bytes, headers: list[tuple[bytes, bytes]], on_sent: Callable[[], None] | None
+    ) -> httpx.Response:
+        """POST ``content`` through the client's transport; the response, its body not read yet.
+
+        The inference hot path skips ``AsyncClient.send``: its URL merging, header
+        re-encoding, cookie jar and logging cost more CPU than the whole exchange on the
+        pooled connection, and the gateway wants none of them (no upstream cookie may
+        travel from one tenant's request to the next). The client's timeouts still apply.
+        """
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        extensions: dict[str, Any] = {"timeout": self.client.timeout.as_dict()}
+        if on_sent is not None:
+            extensions["trace"] = _Trace(on_sent)
+        request = httpx.Request("POST", url, headers=headers, content=content, extensions=extensions)
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        return response
 
     async def post(
         self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
@@ -132,15 +167,16 @@ class Upstream:
         ``on_sent`` is called when the request has been written (HTTP/1.1 transports).
         """
         try:
-            response = await self.client.post(
-                self.base_url + path, content=content, headers={**JSON_HEADERS, **self.auth},
-                extensions=_extensions(on_sent),
-            )
+            response = await self._send(path, content, self._json_headers, on_sent)
+            try:
+                body = await response.aread()
+            finally:
+                await response.aclose()
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         if response.status_code >= 300:
-            raise error_for_status(response.status_code, response.content)
-        return parse_json_object(response.content), response.content
+            raise error_for_status(response.status_code, body)
+        return parse_json_object(body), body
 
     async def get(self, path: str) -> dict[str, Any]:
         """GET a JSON object (e.g. ``/v1/models``), or a gateway error."""
@@ -173,13 +209,8 @@ class Upstream:
         also raise gateway errors (the caller turns them into an SSE error event).
         Leaving the context closes the upstream response (cancelling it).
         """
-        request = self.client.build_request(
-            "POST", self.base_url + path, content=content,
-            headers={"content-type": "application/json", "accept": "text/event-stream", **self.auth},
-            extensions=_extensions(on_sent),
-        )
         try:
-            response = await self.client.send(request, stream=True)
+            response = await self._send(path, content, self._sse_headers, on_sent)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         try:

@@ -73,6 +73,20 @@ def test_sequential_requests_reuse_one_connection_and_concurrent_ones_are_bounde
     asyncio.run(go())
 
 
+def test_the_pool_works_on_uvloop_whose_transports_are_not_asyncio_transports():
+    """uvicorn runs the gateway on uvloop when it is installed (a dependency on Linux)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def go() -> None:
+        async with raw_server(keep_alive_json()) as (url, accepted), client() as http:
+            for _ in range(5):
+                response = await http.post(url + "/v1/x", content=b'{"a": 1}')
+                assert response.status_code == 200 and response.json() == {"ok": True}
+            assert len(accepted) == 1
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(go())
+
+
 def test_chunked_stream_arrives_in_pieces_and_the_connection_is_reused():
     events = [b"data: {\"n\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
     release = asyncio.Event()
@@ -291,3 +305,26 @@ def test_an_idle_connection_the_upstream_dropped_is_not_reused_before_the_loop_n
 
     asyncio.run(go())
     listener.close()
+
+
+def test_an_upstream_cookie_never_travels_with_the_next_request():
+    """The gateway's one client serves every tenant: a Set-Cookie from the upstream must not
+    come back on anyone's next request (upstream.py sends through the transport, no cookie jar)."""
+    from gateway.upstream import Upstream
+
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            heads.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nset-cookie: session=tenant-a; Path=/\r\n"
+                         b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    async def go() -> None:
+        async with raw_server(handler) as (url, _), client() as http:
+            upstream = Upstream(url, http)
+            for _ in range(2):
+                assert await upstream.post("/v1/chat/completions", b"{}") == ({}, b"{}")
+    asyncio.run(go())
+    assert len(heads) == 2 and all(b"cookie:" not in head.lower() for head in heads)

@@ -3,14 +3,17 @@ metrics, every stats row on SIGTERM, and bounded row loss on SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
+import pytest
 from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
 
 from gateway.database import default_db_url
@@ -104,3 +107,64 @@ def test_workers_must_be_a_positive_number(tmp_path):
     done = subprocess.run([*CLI, "gateway", "--upstream", "http://127.0.0.1:1", "--data-dir", str(tmp_path),
                            "--workers", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--workers" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_generation_less_often():
+    import gc
+
+    from gateway.launcher import settle_heap
+
+    threshold = gc.get_threshold()
+    try:
+        settle_heap(young_threshold=12_345)
+        assert gc.get_freeze_count() > 1000  # the modules and objects built so far
+        assert gc.get_threshold() == (12_345, *threshold[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def _server_sockets(port: int, state: str) -> set[str]:
+    """Inodes of the IPv4 TCP sockets on local ``port`` in ``state`` (0A listen, 01 established)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return {row[9] for row in rows if row[1].endswith(f":{port:04X}") and row[3] == state}
+
+
+def _sockets_of(pid: int, inodes: set[str]) -> int:
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            found += os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]") in inodes
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_each_worker_listens_on_its_own_socket_and_connections_reach_both(tmp_path):
+    """Connections opened together (wrk's) were all accepted by whichever worker woke first."""
+    upstream = FakeUpstream()
+    with serve_in_thread(upstream.app) as upstream_url:
+        process, url = start_gateway(upstream_url, tmp_path, workers=2)
+        port = int(url.rsplit(":", 1)[1])
+        clients = []
+        try:
+            assert len(_server_sockets(port, "0A")) == 2  # one per worker; the supervisor's only holds the port
+            clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+            workers = _children(process.pid)
+            deadline = time.monotonic() + 30
+            while True:  # until the workers have accepted all 32
+                accepted = [_sockets_of(pid, _server_sockets(port, "01")) for pid in workers]
+                if sum(accepted) >= 32 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert sum(accepted) == 32 and sorted(accepted)[-2] > 0, accepted
+        finally:
+            for client in clients:
+                client.close()
+            process.terminate()
+            process.communicate(timeout=60)
