@@ -35,7 +35,6 @@ import base64
 import binascii
 import hashlib
 import io
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,35 +71,37 @@ def data_url_bytes(url: str) -> tuple[str, bytes]:
         raise ValueError(f"data: URL payload is not valid base64: {exc}") from exc
 
 
-def decode_image(data: bytes) -> Image:
-    """The verified, fully loaded image ``data`` encodes; ValueError saying why it is refused."""
+def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
+    """The verified, fully loaded image ``data`` encodes; ValueError saying why it is refused.
+    ``max_pixels`` (at most :data:`MAX_IMAGE_PIXELS`) bounds ``width * height``."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError as exc:  # pragma: no cover - Pillow is an engine dependency
         raise ValueError("decoding images needs Pillow (pip install pillow)") from exc
     if not data:
         raise ValueError("image is empty")
+    # Pillow's own bomb check (a warning past 89 M pixels, an error past twice that)
+    # runs in open(); ours (MAX_IMAGE_PIXELS, lower) right after, before any pixel is
+    # decoded. The warning filters are process-wide, so they are left alone here.
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            _check_header(image)
-            image.load()
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        _check_header(image, min(max_pixels, MAX_IMAGE_PIXELS))
+        image.load()
     except UnidentifiedImageError as exc:
         raise ValueError(f"image is not a {', '.join(FORMATS)} file Pillow can read") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except Image.DecompressionBombError as exc:
         raise ValueError(f"image has too many pixels (the limit is {MAX_IMAGE_PIXELS})") from exc
     except (OSError, SyntaxError, EOFError) as exc:
         raise ValueError(f"image could not be decoded ({exc})") from exc
     return image
 
 
-def _check_header(image: Image) -> None:
+def _check_header(image: Image, max_pixels: int) -> None:
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ValueError(f"image has a zero size ({width}x{height})")
-    if width * height > MAX_IMAGE_PIXELS:
-        raise ValueError(f"image is {width}x{height}, more than {MAX_IMAGE_PIXELS} pixels")
+    if width * height > max_pixels:
+        raise ValueError(f"image is {width}x{height}, more than {max_pixels} pixels")
     if getattr(image, "n_frames", 1) != 1:
         raise ValueError("animated images are not supported; send one frame")
 
@@ -126,8 +127,8 @@ class ImageIdentity:
     """What the gateway and the linter call an image.
 
     ``exact`` is True when ``value`` is :func:`content_hash` (the engine's block-key
-    identifier) and ``size`` is ``(width, height)``; False when Pillow is missing or
-    could not decode the bytes, and ``value`` is then ``"bytes:" + SHA256(encoded
+    identifier) and ``size`` is ``(width, height)``; False when Pillow is missing, could
+    not decode the bytes or the image has more pixels than the caller decodes, and ``value`` is then ``"bytes:" + SHA256(encoded
     bytes)`` and ``size`` None: still stable for the same bytes, but the same pixels
     re-encoded get another value, and it never equals an engine identifier.
     """
@@ -137,10 +138,11 @@ class ImageIdentity:
     size: tuple[int, int] | None = None
 
 
-def image_identity(data: bytes) -> ImageIdentity:
-    """The content hash of ``data`` where Pillow decodes it, else a hash of the bytes."""
+def image_identity(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> ImageIdentity:
+    """The content hash of ``data`` where Pillow decodes it (within ``max_pixels``: callers
+    that must stay cheap, the gateway's checks, pass less), else a hash of the bytes."""
     try:
-        image = decode_image(data)
+        image = decode_image(data, max_pixels)
         return ImageIdentity(content_hash(image), exact=True, size=image.size)
     except (ValueError, ImportError):
         return ImageIdentity("bytes:" + hashlib.sha256(data).hexdigest(), exact=False)

@@ -223,7 +223,10 @@ def _image_cause(pr: Rendered, cr: Rendered, seg_p: Segment, seg_c: Segment | No
     before = image_name(pr.text[image_p.start : image_p.end]) if image_p is not None else None
     after = image_name(cr.text[image_c.start : image_c.end]) if image_c is not None else None
     if image_p is not None and image_c is not None:
-        return f"image {image_c.location} changed (image {before} became {after})", image_c
+        hint = ""
+        if str(before).startswith("url:") and str(after).startswith("url:"):
+            hint = "; remote images are compared by URL, so a re-signed or versioned URL is another image"
+        return f"image {image_c.location} changed (image {before} became {after}{hint})", image_c
     if image_p is not None:
         return f"image {image_p.location} (image {before}) was removed or replaced", image_p
     if image_c is not None:

@@ -10,8 +10,10 @@ Identity (:attr:`ImagePart.identity`):
 
 * a ``data:`` URL: :func:`engine.image_content.image_identity` of its bytes, the
   engine's own content hash (pixels and shape) where Pillow is importable; without
-  Pillow, or for bytes Pillow cannot decode, a hash of the encoded bytes
-  (``exact`` False): the same image re-encoded (PNG vs WebP) then counts as changed;
+  Pillow, for bytes Pillow cannot decode, or past :data:`MAX_DECODED_PIXELS` (the
+  gateway checks requests from anyone within a time budget: a tiny file can claim
+  40 M pixels), a hash of the encoded bytes (``exact`` False): the same image
+  re-encoded (PNG vs WebP) then counts as changed;
 * a remote URL: the URL itself (``url:...``): the linter never fetches, so the same
   URL is assumed to name the same image;
 * anything else (no URL, bad base64): ``invalid:`` and a hash of the part's JSON.
@@ -46,6 +48,7 @@ LOW_DETAIL_TOKENS = 85
 TILE_TOKENS = 170
 UNKNOWN_SIZE_TOKENS = LOW_DETAIL_TOKENS + 4 * TILE_TOKENS
 MEMO_SIZE = 256
+MAX_DECODED_PIXELS = 2048 * 2048
 IMAGE_TYPES = ("image_url", "input_image")
 
 
@@ -61,10 +64,12 @@ class ImagePart:
 
     @property
     def short(self) -> str:
-        """A 16-character name for messages and rendered text."""
+        """A short name for messages and rendered text: 16 hex digits of the content hash,
+        or ``url:``, ``bytes:`` or ``invalid:`` and 12 hex digits when it is not one."""
         if self.exact:
             return self.identity[:16]
-        return self.identity.split(":", 1)[0][:1] + hashlib.sha256(self.identity.encode()).hexdigest()[:15]
+        kind = self.identity.split(":", 1)[0]
+        return f"{kind}:{hashlib.sha256(self.identity.encode()).hexdigest()[:12]}"
 
 
 _memo: OrderedDict[bytes, tuple[str, bool, tuple[int, int] | None]] = OrderedDict()
@@ -96,7 +101,7 @@ def _identify(url: object, part: Mapping[str, Any]) -> tuple[str, bool, tuple[in
             _memo.move_to_end(key)
             return found
     try:
-        identity = image_identity(data_url_bytes(url)[1])
+        identity = image_identity(data_url_bytes(url)[1], MAX_DECODED_PIXELS)
         result = (identity.value, identity.exact, identity.size)
     except ValueError:
         result = ("invalid:" + key.hex(), False, None)

@@ -55,7 +55,12 @@ def served(tmp_path_factory):
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+ASKED = [0]
+"""Requests sent through the gateway by this module's tests so far (each writes one stats row)."""
+
+
 def ask(url: str, tenant: str, question: str, stream: bool = False, system: str | None = None) -> tuple[int, int]:
+    ASKED[0] += 1
     client = openai.OpenAI(base_url=url + "/v1", api_key=f"key-{tenant}", max_retries=0, timeout=300)
     messages = [{"role": "system", "content": system or system_prompt(tenant)}, {"role": "user", "content": question}]
     if stream:
@@ -80,6 +85,21 @@ def logged_rows(data, count: int) -> list:
         time.sleep(0.1)
 
 
+def wait_dead(pid: int) -> None:
+    """Return once ``pid`` has exited (gone or a zombie): its sockets are closed by then.
+    ``os.kill`` only queues SIGKILL; the process may still read a request after it returns."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} survived SIGKILL for 60 s"
+        time.sleep(0.01)
+
+
 def metric(url: str, name: str, replica: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     found = re.search(rf'^{name}\{{replica="{replica}"\}} (\S+)$', text, re.M)
@@ -89,12 +109,13 @@ def metric(url: str, name: str, replica: str) -> float:
 
 def test_predictions_are_exact_and_conversations_stay_with_their_prefix(served) -> None:
     url, data, _ = served
+    before = len(logged_rows(data, ASKED[0]))
     for turn in range(3):
         for tenant in ("north", "south", "east", "west"):
             prompt, cached = ask(url, tenant, f"Question number {turn}?", stream=turn == 1)
             if turn:
                 assert cached >= prompt - 40, (tenant, turn, prompt, cached)  # the system prompt was reused
-    logged = [r for r in logged_rows(data, 12) if r.predicted_cached_tokens is not None]
+    logged = [r for r in logged_rows(data, ASKED[0])[before:] if r.predicted_cached_tokens is not None]
     assert len(logged) == 12
     assert [r.predicted_cached_tokens for r in logged] == [r.cached_tokens for r in logged]
     assert {r.replica for r in logged} == {"r0", "r1"}  # the load is spread over both replicas
@@ -108,13 +129,13 @@ def test_another_tenants_cached_prompt_attracts_nothing(served) -> None:
     assert warm == 0 and hit > 200  # tenant A's prompt is cached on its replica
     _, cached = ask(url, "copy-b", "Same question?", system=shared)  # same text, another tenant: another salt
     assert cached == 0
-    last = logged_rows(data, 15)[-1]
+    last = logged_rows(data, ASKED[0])[-1]
     assert last.predicted_cached_tokens == 0 and last.cached_tokens == 0
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_reached_it(served) -> None:
     url, data, engine_port = served
-    before = len(logged_rows(data, 15))
+    before = len(logged_rows(data, ASKED[0]))  # whichever of this module's tests ran before
     for tenant in ("one", "two", "three", "four"):
         ask(url, tenant, "Warm up?")
     warm = logged_rows(data, before + 4)[before:]
@@ -125,6 +146,8 @@ def test_killing_a_replica_loses_no_request_that_had_not_reached_it(served) -> N
     assert victim
     for pid in victim:
         os.kill(int(pid), signal.SIGKILL)
+    for pid in victim:
+        wait_dead(int(pid))
     before += 4
     # The health check runs every 60 s here, so requests still get routed to the dead replica
     # first: their connection is refused before anything is sent, and they go to r0.

@@ -120,3 +120,12 @@ def test_without_pillow_images_are_compared_by_their_bytes():
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps([same_pixels, other]), text=True,
                          capture_output=True, check=True, cwd=ROOT).stdout
     assert json.loads(out) == [[["PS207"], ["PS207"]], False, "bytes:"]
+
+
+def test_pictures_past_the_decoding_bound_are_named_by_their_bytes_without_decoding(monkeypatch):
+    import linter.image_parts as image_parts
+
+    monkeypatch.setattr(image_parts, "MAX_DECODED_PIXELS", 40 * 30 - 1)
+    monkeypatch.setattr(image_parts, "_memo", type(image_parts._memo)())
+    found = image_part(part(data_url(picture(6))))
+    assert found is not None and not found.exact and found.identity.startswith("bytes:")
