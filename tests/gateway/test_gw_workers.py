@@ -153,7 +153,12 @@ def test_each_worker_listens_on_its_own_socket_and_connections_reach_both(tmp_pa
         port = int(url.rsplit(":", 1)[1])
         clients = []
         try:
-            assert len(_server_sockets(port, "0A")) == 2  # one per worker; the supervisor's only holds the port
+            deadline = time.monotonic() + 30
+            # One listening socket per worker (the supervisor's only holds the port); /health
+            # answered as soon as the first worker listened, so wait for the second.
+            while len(_server_sockets(port, "0A")) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(_server_sockets(port, "0A")) == 2
             clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
             workers = _children(process.pid)
             deadline = time.monotonic() + 30
