@@ -57,7 +57,7 @@ def keep_alive_json(body: bytes = b'{"ok": true}') -> Handler:
 
 
 def client(**kwargs: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=ConnectionPool(limits=LIMITS), timeout=httpx.Timeout(2.0, **kwargs))
+    return httpx.AsyncClient(transport=ConnectionPool(limits=LIMITS), timeout=httpx.Timeout(30.0, **kwargs))
 
 
 def test_sequential_requests_reuse_one_connection_and_concurrent_ones_are_bounded():
