@@ -27,7 +27,7 @@ see, so a long prefill skips the masked upper triangle and bounds its scratch me
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,14 +65,34 @@ class SequenceSlice:
 class DecodeGroup:
     """Single-token sequences whose block tables have the same length, attended together.
 
-    ``rows[i]`` is the row of sequence ``i``, ``positions[i]`` its token's position and
-    ``block_tables`` their tables concatenated (``len(rows) * blocks_per_seq`` ids).
+    ``rows[i]`` is the row of sequence ``i`` and ``block_tables`` their tables
+    concatenated (``len(rows) * blocks_per_seq`` ids). ``hidden`` (``[1, n, 1,
+    blocks_per_seq * block_size]``, bool) masks the keys sequence ``i`` must not see:
+    those after its token's position (computed once per forward, used by every layer).
     """
 
     rows: torch.Tensor
-    positions: torch.Tensor
     block_tables: torch.Tensor
     blocks_per_seq: int
+    hidden: torch.Tensor
+    queries: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
+    """Scratch for the scaled queries, ``[kv_heads, n, groups padded to ROW_MULTIPLE,
+    head_dim]``, zeroed once per forward: every layer overwrites the same rows, so the
+    padding rows stay zero."""
+
+    @classmethod
+    def build(cls, rows: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+              block_size: int) -> DecodeGroup:
+        """The group of sequences at ``rows`` whose tokens sit at ``positions``, with
+        block ``tables`` of equal length."""
+        length = len(tables[0]) * block_size
+        hidden = torch.arange(length)[None, :] > torch.tensor(positions, dtype=torch.long)[:, None]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long),
+            block_tables=torch.tensor([b for t in tables for b in t], dtype=torch.long),
+            blocks_per_seq=len(tables[0]),
+            hidden=hidden[None, :, None, :],
+        )
 
 
 @dataclass(frozen=True)
@@ -127,13 +147,17 @@ def _attend_decodes(
     keys_t = torch.index_select(storage.keys_t[layer], 2, group.block_tables)
     keys_t = keys_t.view(kv_heads, head_dim, n, length).transpose(1, 2).contiguous()
     values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
-    q = (query[group.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
-    scores = torch.matmul(_pad_rows(q), keys_t)  # [kv_heads, n, padded groups, length]
-    hidden = torch.arange(length)[None, :] > group.positions[:, None]
-    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    if not group.queries:
+        group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
+    q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
+    mine = torch.index_select(query, 0, group.rows).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+    torch.mul(mine, scale, out=q[:, :, :groups])
+    scores = torch.matmul(q, keys_t)  # [kv_heads, n, padded groups, length]
+    scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
     chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
-    out[group.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
+    # head h of a row is kv head h // groups, query group h % groups (transformers' GQA order)
+    out.view(-1, kv_heads, groups, head_dim).index_copy_(0, group.rows, chunk.transpose(0, 1))
 
 
 def _attend_sequence(
