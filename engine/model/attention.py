@@ -59,6 +59,18 @@ class SequenceSlice:
     num_tokens: int
     start: int
     block_table: torch.Tensor
+    masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """Per query chunk start, the keys its rows must not see (filled by the first
+    layer, reused by the others: the mask is by position, the same in every layer)."""
+
+    def chunk_mask(self, cs: int, first_hidden: int, seen: int, rows: int) -> torch.Tensor:
+        """``[rows, seen - first_hidden]``: key ``first_hidden + j`` is after row ``i``'s position."""
+        mask = self.masks.get(cs)
+        if mask is None:
+            positions = torch.arange(self.start + cs, self.start + cs + rows)
+            mask = torch.arange(first_hidden, seen)[None, :] > positions[:, None]
+            self.masks[cs] = mask
+        return mask
 
 
 @dataclass(frozen=True)
@@ -168,7 +180,6 @@ def _attend_sequence(
     group = heads // kv_heads
     keys_t, values = storage.gather(layer, seq.block_table)
     q_all = query[seq.row : seq.row + seq.num_tokens] * scale
-    key_index = torch.arange(keys_t.shape[-1])
     for cs in range(0, seq.num_tokens, Q_CHUNK):
         ce = min(seq.num_tokens, cs + Q_CHUNK)
         rows = ce - cs
@@ -179,10 +190,8 @@ def _attend_sequence(
         scores = torch.matmul(q, keys_t[:, :, :seen])
         first_hidden = first_pos + 1  # keys before this are seen by every row
         if first_hidden < seen:
-            positions = torch.arange(first_pos, last_pos + 1)
-            hidden = key_index[None, first_hidden:seen] > positions[:, None]
             tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
-            tail.masked_fill_(hidden, float("-inf"))
+            tail.masked_fill_(seq.chunk_mask(cs, first_hidden, seen, rows), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
         chunk = torch.matmul(probs, values[:, :seen])[:, : group * rows]
         chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
