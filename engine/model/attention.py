@@ -156,15 +156,14 @@ def _attend_decodes(
     groups = heads // kv_heads
     n = group.rows.numel()
     length = group.blocks_per_seq * storage.layout.block_size
-    keys_t = torch.index_select(storage.keys_t[layer], 2, group.block_tables)
-    keys_t = keys_t.view(kv_heads, head_dim, n, length).transpose(1, 2).contiguous()
+    keys = torch.index_select(storage.keys[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
     values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
     if not group.queries:
         group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
     q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
     mine = torch.index_select(query, 0, group.rows).view(n, kv_heads, groups, head_dim).transpose(0, 1)
     torch.mul(mine, scale, out=q[:, :, :groups])
-    scores = torch.matmul(q, keys_t)  # [kv_heads, n, padded groups, length]
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, padded groups, length]
     scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
     chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
@@ -178,7 +177,8 @@ def _attend_sequence(
     kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
     heads = query.shape[1]
     group = heads // kv_heads
-    keys_t, values = storage.gather(layer, seq.block_table)
+    keys, values = storage.gather(layer, seq.block_table)
+    keys_t = keys.transpose(1, 2)  # [kv_heads, head_dim, n]: a view
     q_all = query[seq.row : seq.row + seq.num_tokens] * scale
     for cs in range(0, seq.num_tokens, Q_CHUNK):
         ce = min(seq.num_tokens, cs + Q_CHUNK)
