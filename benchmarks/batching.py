@@ -19,7 +19,7 @@ of ``--max-num-seqs 1``.
 
 Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
        [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
-       [--shared batched seq1 llama]
+       [--shared batched seq1 llama] [--engine-threads N]
 """
 
 from __future__ import annotations
@@ -156,14 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", nargs="*", default=["batched", "seq1", "llama"],
                         help="servers that also run the shared-prefix case (default: all)")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--engine-threads", type=int, default=None, metavar="N",
+                        help="--threads for both prefixgate engines (default: torch's, one per core)")
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
                         choices=["batched", "seq1", "llama"])
     args = parser.parse_args(argv)
     tok = tokenizer()
     model = "SmolLM2-135M-Instruct"
+    threads = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
     servers = {
-        "batched": lambda: engine_server(log=LOGS / "engine-batched.log"),
-        "seq1": lambda: engine_server("--max-num-seqs", "1", log=LOGS / "engine-seq1.log"),
+        "batched": lambda: engine_server(*threads, log=LOGS / "engine-batched.log"),
+        "seq1": lambda: engine_server("--max-num-seqs", "1", *threads, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
     }
     results: dict[str, Any] = {}
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(json.dumps({
         "benchmark": "batching", "output_tokens": args.tokens,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
-        "servers": results, "targets": targets,
+        "engine_threads": args.engine_threads, "servers": results, "targets": targets,
     }, indent=2))
     print(f"wrote {RESULTS}")
     return 0

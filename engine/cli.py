@@ -87,6 +87,9 @@ def add_parser(subparsers: Any) -> None:
                         default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="TOKENS",
                         help="tokens per forward at most: decode tokens plus prefill chunks "
                         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                        help="torch threads for the model's forward (default: torch's, one per "
+                        "core; fewer leave cores to the HTTP server and to other processes)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model name clients send (default: the model's name)")
     parser.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            encoder_cache_memory_gib=args.encoder_cache_memory,
+            encoder_cache_memory_gib=args.encoder_cache_memory, num_threads=args.threads,
         )
         _check_model(args.model)
         events_config = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,16 +101,19 @@ class OutputStream:
         """Every output until the finished one."""
         return [output async for output in self]
 
-    def result(self, timeout: float | None = None) -> list[StepOutput]:
-        """Blocking collect for a stream created outside an event loop."""
+    def outputs(self, timeout: float | None = None) -> Iterator[StepOutput]:
+        """Blocking iteration, output by output, for a stream created outside an event
+        loop (``timeout``: seconds to wait for each output; ``queue.Empty`` after it)."""
         if self._loop is not None:
             raise RuntimeError("this OutputStream belongs to an event loop: use collect()")
-        outputs: list[StepOutput] = []
         while not self.finished:
             output = self._sync_queue.get(timeout=timeout)
             self.finished = output.finished
-            outputs.append(output)
-        return outputs
+            yield output
+
+    def result(self, timeout: float | None = None) -> list[StepOutput]:
+        """Blocking collect for a stream created outside an event loop."""
+        return list(self.outputs(timeout))
 
     def cancel(self) -> None:
         """Abort the request (idempotent); its blocks are freed by the engine."""

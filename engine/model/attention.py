@@ -27,7 +27,7 @@ see, so a long prefill skips the masked upper triangle and bounds its scratch me
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,20 +59,52 @@ class SequenceSlice:
     num_tokens: int
     start: int
     block_table: torch.Tensor
+    masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """Per query chunk start, the keys its rows must not see (filled by the first
+    layer, reused by the others: the mask is by position, the same in every layer)."""
+
+    def chunk_mask(self, cs: int, first_hidden: int, seen: int, rows: int) -> torch.Tensor:
+        """``[rows, seen - first_hidden]``: key ``first_hidden + j`` is after row ``i``'s position."""
+        mask = self.masks.get(cs)
+        if mask is None:
+            positions = torch.arange(self.start + cs, self.start + cs + rows)
+            mask = torch.arange(first_hidden, seen)[None, :] > positions[:, None]
+            self.masks[cs] = mask
+        return mask
 
 
 @dataclass(frozen=True)
 class DecodeGroup:
     """Single-token sequences whose block tables have the same length, attended together.
 
-    ``rows[i]`` is the row of sequence ``i``, ``positions[i]`` its token's position and
-    ``block_tables`` their tables concatenated (``len(rows) * blocks_per_seq`` ids).
+    ``rows[i]`` is the row of sequence ``i`` and ``block_tables`` their tables
+    concatenated (``len(rows) * blocks_per_seq`` ids). ``hidden`` (``[1, n, 1,
+    blocks_per_seq * block_size]``, bool) masks the keys sequence ``i`` must not see:
+    those after its token's position (computed once per forward, used by every layer).
     """
 
     rows: torch.Tensor
-    positions: torch.Tensor
     block_tables: torch.Tensor
     blocks_per_seq: int
+    hidden: torch.Tensor
+    queries: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
+    """Scratch for the scaled queries, ``[kv_heads, n, groups padded to ROW_MULTIPLE,
+    head_dim]``, zeroed once per forward: every layer overwrites the same rows, so the
+    padding rows stay zero."""
+
+    @classmethod
+    def build(cls, rows: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
+              block_size: int) -> DecodeGroup:
+        """The group of sequences at ``rows`` whose tokens sit at ``positions``, with
+        block ``tables`` of equal length."""
+        length = len(tables[0]) * block_size
+        hidden = torch.arange(length)[None, :] > torch.tensor(positions, dtype=torch.long)[:, None]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long),
+            block_tables=torch.tensor([b for t in tables for b in t], dtype=torch.long),
+            blocks_per_seq=len(tables[0]),
+            hidden=hidden[None, :, None, :],
+        )
 
 
 @dataclass(frozen=True)
@@ -124,16 +156,19 @@ def _attend_decodes(
     groups = heads // kv_heads
     n = group.rows.numel()
     length = group.blocks_per_seq * storage.layout.block_size
-    keys_t = torch.index_select(storage.keys_t[layer], 2, group.block_tables)
-    keys_t = keys_t.view(kv_heads, head_dim, n, length).transpose(1, 2).contiguous()
+    keys = torch.index_select(storage.keys[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
     values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
-    q = (query[group.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
-    scores = torch.matmul(_pad_rows(q), keys_t)  # [kv_heads, n, padded groups, length]
-    hidden = torch.arange(length)[None, :] > group.positions[:, None]
-    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    if not group.queries:
+        group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
+    q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
+    mine = torch.index_select(query, 0, group.rows).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+    torch.mul(mine, scale, out=q[:, :, :groups])
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, padded groups, length]
+    scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
     chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
-    out[group.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
+    # head h of a row is kv head h // groups, query group h % groups (transformers' GQA order)
+    out.view(-1, kv_heads, groups, head_dim).index_copy_(0, group.rows, chunk.transpose(0, 1))
 
 
 def _attend_sequence(
@@ -142,9 +177,9 @@ def _attend_sequence(
     kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
     heads = query.shape[1]
     group = heads // kv_heads
-    keys_t, values = storage.gather(layer, seq.block_table)
+    keys, values = storage.gather(layer, seq.block_table)
+    keys_t = keys.transpose(1, 2)  # [kv_heads, head_dim, n]: a view
     q_all = query[seq.row : seq.row + seq.num_tokens] * scale
-    key_index = torch.arange(keys_t.shape[-1])
     for cs in range(0, seq.num_tokens, Q_CHUNK):
         ce = min(seq.num_tokens, cs + Q_CHUNK)
         rows = ce - cs
@@ -155,10 +190,8 @@ def _attend_sequence(
         scores = torch.matmul(q, keys_t[:, :, :seen])
         first_hidden = first_pos + 1  # keys before this are seen by every row
         if first_hidden < seen:
-            positions = torch.arange(first_pos, last_pos + 1)
-            hidden = key_index[None, first_hidden:seen] > positions[:, None]
             tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
-            tail.masked_fill_(hidden, float("-inf"))
+            tail.masked_fill_(seq.chunk_mask(cs, first_hidden, seen, rows), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
         chunk = torch.matmul(probs, values[:, :seen])[:, : group * rows]
         chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)

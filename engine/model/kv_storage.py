@@ -1,12 +1,15 @@
 """KVStorage: the engine's KV cache memory, one key and one value tensor per layer.
 
-Laid out by block for paged attention: per layer, keys are stored transposed as
-``[kv_heads, head_dim, num_blocks + 1, block_size]`` and values as ``[kv_heads,
-num_blocks + 1, block_size, head_dim]``. Token ``p`` of a request lives in block
-``block_table[p // block_size]`` at offset ``p % block_size`` (its *slot*). Gathering
-a block table with one ``index_select`` then yields a sequence's keys as ``K^T``
-(``[kv_heads, head_dim, tokens]``) and its values as ``[kv_heads, tokens, head_dim]``,
-both contiguous: the layouts the CPU matrix products read without another copy.
+Laid out by block for paged attention: per layer, keys and values are stored as
+``[kv_heads, num_blocks + 1, block_size, head_dim]``. Token ``p`` of a request lives
+in block ``block_table[p // block_size]`` at offset ``p % block_size`` (its *slot*).
+Gathering a block table with one ``index_select`` copies whole blocks (a block of
+one head is ``block_size * head_dim`` contiguous elements) and yields a sequence's
+keys and values as ``[kv_heads, tokens, head_dim]``, contiguous; attention reads
+the keys as ``K^T`` through a transposed view, which the CPU matrix product takes
+without a copy. (Keys stored transposed, ``[kv_heads, head_dim, blocks,
+block_size]``, made the gather copy ``block_size``-element pieces: 6x slower for a
+2k-token table, and the product with a contiguous ``K^T`` was slower too.)
 
 The extra block at index :attr:`KVStorage.pad_block` is never handed out by the
 KV cache manager: block tables are padded with it up to the attention's key
@@ -67,8 +70,8 @@ class KVLayout:
 
 
 class KVStorage:
-    """Per-layer keys ``[kv_heads, head_dim, blocks, block_size]`` and values
-    ``[kv_heads, blocks, block_size, head_dim]``; ``blocks = num_blocks + 1`` (the pad block)."""
+    """Per-layer keys and values ``[kv_heads, blocks, block_size, head_dim]``;
+    ``blocks = num_blocks + 1`` (the pad block)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -78,7 +81,7 @@ class KVStorage:
         self.pad_block = num_blocks
         h, d, bs = layout.kv_heads, layout.head_dim, layout.block_size
         total = num_blocks + 1
-        self.keys_t = [torch.zeros((h, d, total, bs), dtype=layout.dtype) for _ in range(layout.num_layers)]
+        self.keys = [torch.zeros((h, total, bs, d), dtype=layout.dtype) for _ in range(layout.num_layers)]
         self.values = [torch.zeros((h, total, bs, d), dtype=layout.dtype) for _ in range(layout.num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
@@ -108,13 +111,13 @@ class KVStorage:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` shaped ``[n, kv_heads, head_dim]`` into ``n`` slots."""
         h, d = self.layout.kv_heads, self.layout.head_dim
-        self.keys_t[layer].view(h, d, -1).index_copy_(2, slots, keys.permute(1, 2, 0))
+        self.keys[layer].view(h, -1, d).index_copy_(1, slots, keys.transpose(0, 1))
         self.values[layer].view(h, -1, d).index_copy_(1, slots, values.transpose(0, 1))
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block table's keys as ``K^T [kv_heads, head_dim, n]`` and values as
-        ``[kv_heads, n, head_dim]``, contiguous (``n = len(block_table) * block_size``)."""
+        """A block table's keys and values, each ``[kv_heads, n, head_dim]``, contiguous
+        (``n = len(block_table) * block_size``)."""
         h, d = self.layout.kv_heads, self.layout.head_dim
-        keys_t = torch.index_select(self.keys_t[layer], 2, block_table).view(h, d, -1)
+        keys = torch.index_select(self.keys[layer], 1, block_table).view(h, -1, d)
         values = torch.index_select(self.values[layer], 1, block_table).view(h, -1, d)
-        return keys_t, values
+        return keys, values

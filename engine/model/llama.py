@@ -68,15 +68,20 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    """transformers' ``LlamaRMSNorm``: normalised in float32, rounded to the model dtype,
+    then scaled (torch's fused ``rms_norm`` computes the same bits as transformers'
+    pow/mean/rsqrt/mul, per row, in a third of the ops)."""
+    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' RoPE) for ``x`` ``[T, heads,
+    head_dim]``, with ``signed_sin`` = ``sin`` negated on its first half: swapping the
+    halves is one ``flip`` of a ``[.., 2, half]`` view, and ``(-a) * s == a * (-s)``
+    exactly, so the bits are transformers'."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return x * cos + swapped * signed_sin
 
 
 class LlamaForward:
@@ -125,18 +130,18 @@ class LlamaForward:
             hidden[embed_rows] = values.to(hidden.dtype)
         cos, sin = self.rotary(hidden[None], positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.kv_heads * self.head_dim
+        half = self.head_dim // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        heads, qk_heads = self.num_heads, self.num_heads + self.kv_heads
+        qk_size = qk_heads * self.head_dim
         rows = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
             qkv = F.linear(x, layer.qkv)
-            q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(rows, self.kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].view(rows, self.kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            attn = paged_attention(i, q, k, v, batch, self.scale)
+            # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
+            qk = _rope(qkv[:, :qk_size].view(rows, qk_heads, self.head_dim), cos, signed_sin)
+            v = qkv[:, qk_size:].view(rows, self.kv_heads, self.head_dim)
+            attn = paged_attention(i, qk[:, :heads], qk[:, heads:], v, batch, self.scale)
             hidden = hidden + F.linear(attn, layer.o)
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

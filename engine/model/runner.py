@@ -106,13 +106,9 @@ class ModelRunner:
             if seq.sample:
                 logit_rows.append(row + n - 1)
         groups = [
-            DecodeGroup(
-                rows=torch.tensor([r for r, _, _ in members], dtype=torch.long),
-                positions=torch.tensor([p for _, p, _ in members], dtype=torch.long),
-                block_tables=torch.tensor([b for _, _, t in members for b in t], dtype=torch.long),
-                blocks_per_seq=length,
-            )
-            for length, members in decodes.items()
+            DecodeGroup.build([r for r, _, _ in members], [p for _, p, _ in members],
+                              [t for _, _, t in members], bs)
+            for members in decodes.values()
         ]
         num_logits = len(logit_rows)
         pad = -len(ids) % ROW_MULTIPLE

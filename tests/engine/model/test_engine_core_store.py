@@ -102,7 +102,7 @@ def test_kv_storage_is_sized_from_memory_and_laid_out_by_block():
     assert layout.bytes_per_token == 2 * 2 * 3 * 4 * 4
     storage = KVStorage.from_memory(layout, 0.001)
     assert storage.num_blocks == int(0.001 * 1024**3) // (layout.bytes_per_token * 16)
-    assert storage.keys_t[0].shape == (3, 4, storage.num_blocks + 1, 16)  # + the pad block
+    assert storage.keys[0].shape == (3, storage.num_blocks + 1, 16, 4)  # + the pad block
     assert storage.values[0].shape == (3, storage.num_blocks + 1, 16, 4)
     with pytest.raises(ValueError, match="kv_cache_memory_gib"):
         KVStorage.from_memory(layout, 1e-9)
@@ -116,10 +116,12 @@ def test_kv_storage_writes_slots_and_gathers_block_tables():
     slots = storage.slot_ids(table, 0, 10)
     assert slots[:6] == [20, 21, 22, 23, 8, 9]
     storage.write(0, torch.tensor(slots), keys, -keys)
-    assert torch.equal(storage.keys_t[0][:, :, 2, 1], keys[5])
-    keys_t, values = storage.gather(0, torch.tensor([*table[:2], storage.pad_block]))
-    assert keys_t.shape == (2, 3, 12) and keys_t.is_contiguous() and values.is_contiguous()
-    assert torch.equal(keys_t[:, :, :8], keys[:8].permute(1, 2, 0))
+    assert torch.equal(storage.keys[0][:, 2, 1], keys[5])
+    gathered, values = storage.gather(0, torch.tensor([*table[:2], storage.pad_block]))
+    assert gathered.shape == values.shape == (2, 12, 3)
+    assert gathered.is_contiguous() and values.is_contiguous()
+    assert torch.equal(gathered[:, :8], keys[:8].transpose(0, 1))
+    assert torch.equal(gathered[:, 8:], torch.zeros(2, 4, 3))
     assert torch.equal(values[:, :8], -keys[:8].transpose(0, 1))
     assert torch.equal(values[:, 8:], torch.zeros(2, 4, 3))  # the pad block
     with pytest.raises(ValueError, match="exceed"):

@@ -132,11 +132,13 @@ def test_a_missing_model_fails_clearly_with_exit_code_1(tmp_path):
 
 
 def test_batching_flags_parse_and_reject_zero():
-    args = build_parser().parse_args(["engine", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"])
-    assert (args.max_num_seqs, args.max_num_batched_tokens) == (8, 256)
+    args = build_parser().parse_args(
+        ["engine", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--threads", "1"]
+    )
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.threads) == (8, 256, 1)
     defaults = build_parser().parse_args(["engine"])
-    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (64, 512)
-    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens, defaults.threads) == (64, 512, None)
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--threads"):
         with pytest.raises(SystemExit) as info:
             build_parser().parse_args(["engine", flag, "0"])
         assert info.value.code == 2
