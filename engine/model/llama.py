@@ -5,7 +5,8 @@ re-arranges them once: q/k/v projections become one fused ``[q; k; v]`` matrix a
 gate/up one ``[gate; up]`` matrix (the modules' weights are re-pointed to views of
 the fused tensors, so no memory is duplicated and the transformers module graph
 still computes with the same numbers). A forward is then, per layer, two RMSNorms,
-four matrix products, RoPE from the model's own rotary embedding, and
+four matrix products (weights packed once for oneDNN where that keeps the bits:
+:mod:`engine.model.linear`), RoPE from the model's own rotary embedding, and
 :func:`~engine.model.attention.paged_attention`; no module dispatch, no cache
 object, no mask tensor.
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionBatch, paged_attention
+from engine.model.linear import PackedLinear
 
 
 def language_parts(model: Any) -> tuple[Any, Any, Any]:
@@ -60,11 +62,11 @@ def supports(model: Any) -> bool:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
+    qkv: PackedLinear
+    o: PackedLinear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: PackedLinear
+    down: PackedLinear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +101,7 @@ class LlamaForward:
         self.embed = base.embed_tokens.weight
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight
-        self.lm_head = lm_head.weight
+        self.lm_head = PackedLinear(lm_head.weight)
         self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]
 
     @staticmethod
@@ -109,11 +111,11 @@ class LlamaForward:
         gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=qkv,
-            o=attn.o_proj.weight,
+            qkv=PackedLinear(qkv),
+            o=PackedLinear(attn.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=gate_up,
-            down=mlp.down_proj.weight,
+            gate_up=PackedLinear(gate_up),
+            down=PackedLinear(mlp.down_proj.weight),
         )
 
     @torch.inference_mode()
@@ -137,17 +139,17 @@ class LlamaForward:
         rows = hidden.shape[0]
         for i, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv)
+            qkv = layer.qkv(x)
             # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
             qk = _rope(qkv[:, :qk_size].view(rows, qk_heads, self.head_dim), cos, signed_sin)
             v = qkv[:, qk_size:].view(rows, self.kv_heads, self.head_dim)
             attn = paged_attention(i, qk[:, :heads], qk[:, heads:], v, batch, self.scale)
-            hidden = hidden + F.linear(attn, layer.o)
+            hidden = hidden + layer.o(attn)
             x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         last = _rms_norm(hidden[logit_rows], self.norm, self.eps)
-        return F.linear(last, self.lm_head)
+        return self.lm_head(last)
 
 
 def _fuse_linears(linears: list[Any]) -> torch.Tensor:
