@@ -7,6 +7,17 @@ Invariants:
   string (which is never included);
 * text is held back while it ends with an incomplete UTF-8 sequence or with the
   beginning of a stop string, and flushed when the request finishes otherwise.
+
+Cost: each token decodes a short window, not the whole output. The window starts
+at the token after the last one whose text was complete (vLLM's prefix/read
+offsets): ``decode(window)`` minus ``decode(window's already-read part)`` is the
+new text, so a tokenizer that strips a leading space from the first token strips
+it from both. That difference equals the whole-output decode's growth when the
+decoder maps tokens to bytes independently (byte-level BPE, SentencePiece);
+a tokenizer that cleans up spaces across tokens (``clean_up_tokenization_spaces``)
+is decoded whole every token instead. Measured with the bundled tokenizer: a
+whole decode costs 55 us at 128 tokens and 980 us at 2,048, per running request
+per step.
 """
 
 from __future__ import annotations
@@ -30,6 +41,11 @@ class Detokenizer:
         self.text = ""
         self.num_sent = 0
         self.finish_reason: str | None = None
+        self._prefix = 0  # first token of the decode window
+        self._read = 0  # tokens whose text is in self.text
+        self._prefix_text = ""  # decode(text_token_ids[_prefix:_read])
+        self._whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self._cut = False  # a stop string ended the text
 
     def add(self, token_id: int) -> str | None:
         """Account for one sampled token; returns ``"stop"`` when it ends the request."""
@@ -40,8 +56,25 @@ class Detokenizer:
             self.finish_reason = "stop"
             return self.finish_reason
         self.text_token_ids.append(token_id)
+        self._decode(final=False)
+        return self.finish_reason
+
+    def _decode(self, final: bool) -> None:
+        """Extend ``self.text`` with the complete text of the unread tokens (with
+        ``final``, also an incomplete UTF-8 tail, as the whole decode shows it), then
+        cut it at the first stop string."""
+        params = self.params
         previous_len = len(self.text)
-        self.text = self.tokenizer.decode(self.text_token_ids, skip_special_tokens=True)
+        ids = self.text_token_ids
+        if self._whole:
+            self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            window = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
+            if not final and (len(window) <= len(self._prefix_text) or window.endswith(REPLACEMENT_CHAR)):
+                return  # nothing new, or the newest character is still incomplete
+            self.text += window[len(self._prefix_text) :]
+            self._prefix, self._read = self._read, len(ids)
+            self._prefix_text = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
         if params.stop:
             longest = max(len(s) for s in params.stop)
             window_start = max(0, min(previous_len, len(self.text)) - longest + 1)
@@ -49,7 +82,7 @@ class Detokenizer:
             if cut is not None:
                 self.text = self.text[:cut]
                 self.finish_reason = "stop"
-        return self.finish_reason
+                self._cut = True
 
     def _first_stop(self, start: int) -> int | None:
         hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
@@ -57,6 +90,8 @@ class Detokenizer:
 
     def take_new_text(self, finished: bool) -> str:
         """The text not returned yet, minus what must be held back while unfinished."""
+        if finished and not self._cut and not self._whole and self._read < len(self.text_token_ids):
+            self._decode(final=True)
         end = len(self.text) if finished else len(self.text) - self._held_back()
         if end <= self.num_sent:
             return ""

@@ -135,3 +135,63 @@ def test_temperatures_too_small_to_divide_by_are_greedy(temperature):
     assert all(sample(logits, params, make_generator(params, 0)) == 1 for _ in range(5))
     assert not SamplingParams(temperature=1e-5).greedy
     assert sample(logits, SamplingParams(temperature=1e-5), make_generator(SamplingParams(), 0)) == 1
+
+
+def _streamed(tokenizer, token_ids, finish=True):
+    detok = Detokenizer(tokenizer, SamplingParams(ignore_eos=True), eos_token_ids=set())
+    deltas = []
+    for token in token_ids:
+        detok.add(token)
+        deltas.append(detok.take_new_text(False))
+    if finish:
+        deltas.append(detok.take_new_text(True))
+    return deltas, detok
+
+
+def test_windowed_decoding_streams_exactly_the_whole_decode(bundled_tokenizer):
+    """Random token sequences (multi-byte pieces, special tokens, ids that decode to
+    partial UTF-8) stream, delta by delta, exactly what one whole decode gives, and
+    nothing streamed before the end holds an incomplete character."""
+    import random
+
+    tok = bundled_tokenizer
+    rng = random.Random(7)
+    text = "Caf\u00e9 \u2603 \U0001f600\U0001f680 \u4e2d\u6587 na\u00efve  spaces\tand\nlines"
+    pieces = tok.encode(text, add_special_tokens=False)
+    specials = sorted(set(tok.all_special_ids))
+    for trial in range(60):
+        ids = []
+        while len(ids) < rng.randrange(1, 120):
+            kind = rng.random()
+            if kind < 0.5:
+                start = rng.randrange(len(pieces))
+                ids.extend(pieces[start : start + rng.randrange(1, 6)])
+            elif kind < 0.9:
+                ids.append(rng.randrange(len(tok)))
+            else:
+                ids.append(rng.choice(specials))
+        deltas, detok = _streamed(tok, ids)
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert "".join(deltas) == whole, (trial, ids)
+        assert detok.text == whole
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1]) or "\ufffd" in whole
+
+
+def test_an_incomplete_character_is_flushed_once_at_the_end(bundled_tokenizer):
+    tok = bundled_tokenizer
+    ids = tok.encode("ok \U0001f600", add_special_tokens=False)
+    # byte-level pieces of the emoji: every prefix but the full one ends incomplete
+    deltas, detok = _streamed(tok, ids[:-1])
+    assert "".join(deltas) == tok.decode(ids[:-1])
+    assert deltas[-1].endswith("\ufffd")
+    assert detok.take_new_text(True) == ""  # a second flush adds nothing
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_decoded_whole(bundled_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(bundled_tokenizer)
+    tok.clean_up_tokenization_spaces = True
+    ids = tok.encode("Hello , world . Do n't stop !", add_special_tokens=False)
+    deltas, _ = _streamed(tok, ids)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
