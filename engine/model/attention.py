@@ -87,6 +87,9 @@ class DecodeGroup:
     block_tables: torch.Tensor
     blocks_per_seq: int
     hidden: torch.Tensor
+    first_row: int | None = None
+    """``rows[0]`` when the rows are consecutive (then queries and outputs are read and
+    written through slices, not gathered and scattered), else None."""
     queries: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
     """Scratch for the scaled queries, ``[kv_heads, n, groups padded to ROW_MULTIPLE,
     head_dim]``, zeroed once per forward: every layer overwrites the same rows, so the
@@ -104,6 +107,7 @@ class DecodeGroup:
             block_tables=torch.tensor([b for t in tables for b in t], dtype=torch.long),
             blocks_per_seq=len(tables[0]),
             hidden=hidden[None, :, None, :],
+            first_row=rows[0] if list(rows) == list(range(rows[0], rows[0] + len(rows))) else None,
         )
 
 
@@ -161,14 +165,18 @@ def _attend_decodes(
     if not group.queries:
         group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
     q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
-    mine = torch.index_select(query, 0, group.rows).view(n, kv_heads, groups, head_dim).transpose(0, 1)
-    torch.mul(mine, scale, out=q[:, :, :groups])
+    first = group.first_row
+    mine = query[first : first + n] if first is not None else torch.index_select(query, 0, group.rows)
+    torch.mul(mine.view(n, kv_heads, groups, head_dim).transpose(0, 1), scale, out=q[:, :, :groups])
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, padded groups, length]
     scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
     chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
     # head h of a row is kv head h // groups, query group h % groups (transformers' GQA order)
-    out.view(-1, kv_heads, groups, head_dim).index_copy_(0, group.rows, chunk.transpose(0, 1))
+    if first is not None:
+        out[first : first + n].view(n, kv_heads, groups, head_dim).copy_(chunk.transpose(0, 1))
+    else:
+        out.view(-1, kv_heads, groups, head_dim).index_copy_(0, group.rows, chunk.transpose(0, 1))
 
 
 def _attend_sequence(

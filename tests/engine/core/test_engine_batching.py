@@ -206,3 +206,41 @@ def test_lean_and_generic_llama_forwards_agree(tiny_model, make_tiny_engine):
         assert torch.max(torch.abs(lean[0] - stock)).item() <= 1e-4
     finally:
         tiny_model.config._attn_implementation = "sdpa"
+
+
+def test_decode_rows_apart_or_together_get_the_same_bits(make_tiny_engine):
+    """Decodes whose rows are consecutive are read and written through slices; decodes
+    split by a prefill chunk are gathered and scattered. Both give each sequence the
+    bits it gets alone."""
+    from engine.model.attention import DecodeGroup
+    from engine.model.runner import SequenceInput
+
+    engine = make_tiny_engine(enable_prefix_caching=False)
+    runner, bs = engine.runner, engine.config.block_size
+    prompts = [prompt_of(2 * bs, offset=k) for k in range(3)]
+    tables = [list(range(k * 4, k * 4 + 4)) for k in range(3)]
+    for ids, table in zip(prompts, tables, strict=True):  # fill each table's prefix K/V
+        runner.execute([SequenceInput(ids, 0, table, False)])
+    decode = [SequenceInput([7 + k], 2 * bs, tables[k], True) for k in (0, 2)]
+    prefill = SequenceInput(prompt_of(5, offset=9), 0, list(range(12, 14)), True)
+    alone = [runner.execute([d])[0] for d in decode]
+    built = []
+    real_build = DecodeGroup.build.__func__
+
+    def spy(cls, *args):
+        group = real_build(cls, *args)
+        built.append(group.first_row)
+        return group
+
+    DecodeGroup.build = classmethod(spy)
+    try:
+        together = runner.execute(decode)
+        apart = runner.execute([decode[0], prefill, decode[1]])
+        after = runner.execute([prefill, *decode])
+    finally:
+        DecodeGroup.build = classmethod(real_build)
+    assert built == [0, None, 5]  # rows 0-1; rows 0 and 6; rows 5-6
+    for k in range(2):
+        assert torch.equal(together[k], alone[k])
+        assert torch.equal(after[1 + k], alone[k])
+    assert torch.equal(apart[0], alone[0]) and torch.equal(apart[2], alone[1])
