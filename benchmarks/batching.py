@@ -17,9 +17,16 @@ Prints a table and writes benchmarks/results/batching.json with the issue's targ
 8 streams >= 4x ``--max-num-seqs 1`` and >= llama.cpp; 64 streams TTFT p50 <= 1/4
 of ``--max-num-seqs 1``.
 
+``--rounds N`` repeats the servers in turn N times (batched, seq1, llama, batched,
+...; the shared-prefix case only in the first round); the table and the targets
+then use each figure's median over the rounds, and the JSON keeps every round and
+the 8-stream ratios of each. On a shared machine one round can catch a burst of
+other work that the next server does not see; alternating rounds spreads it.
+
 Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
        [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
-       [--shared batched seq1 llama] [--engine-threads N]
+       [--shared batched seq1 llama] [--engine-threads N] [--rounds N]
+Example: .venv/bin/python benchmarks/batching.py --streams 1 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -146,6 +154,32 @@ def run_server(
     return out
 
 
+def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per server and level, the median over ``rounds`` of every figure (one round: itself)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out: dict[str, Any] = {}
+    for name, first in rounds[0].items():
+        levels = []
+        for row in first["levels"]:
+            same = [next(x for x in r[name]["levels"] if x["streams"] == row["streams"]) for r in rounds]
+            merged = dict(row)
+            for key, value in row.items():
+                if isinstance(value, float) and key != "streams":
+                    merged[key] = statistics.median(x[key] for x in same)
+            levels.append(merged)
+        out[name] = {**first, "levels": levels}
+    return out
+
+
+def _show(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{key}={value:.2f}"
+    if isinstance(value, list):
+        return f"{key}=[{', '.join(f'{v:.2f}' for v in value)}]"
+    return f"{key}={value}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16, 64])
@@ -160,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="--threads for both prefixgate engines (default: torch's, one per core)")
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
                         choices=["batched", "seq1", "llama"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers in turn this many times; figures are medians (default: 1)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     tok = tokenizer()
     model = "SmolLM2-135M-Instruct"
     threads = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
@@ -169,12 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         "seq1": lambda: engine_server("--max-num-seqs", "1", *threads, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
     }
-    results: dict[str, Any] = {}
-    for i, name in enumerate(args.servers):
-        streams = {"seq1": args.seq1_streams, "llama": args.llama_streams}.get(name) or args.streams
-        print(f"{name}: starting", flush=True)
-        with servers[name]() as base:
-            results[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i, name in args.shared)
+    rounds: list[dict[str, Any]] = []
+    for round_no in range(args.rounds):
+        this: dict[str, Any] = {}
+        for i, name in enumerate(args.servers):
+            streams = {"seq1": args.seq1_streams, "llama": args.llama_streams}.get(name) or args.streams
+            print(f"{name}: starting" + (f" (round {round_no + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
+            with servers[name]() as base:
+                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i,
+                                        name in args.shared and round_no == 0)
+        rounds.append(this)
+    results = medians(rounds)
 
     def find(name: str, n: int) -> dict[str, Any] | None:
         rows = results.get(name, {}).get("levels", [])
@@ -201,12 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     if b64 and s64:
         targets["64_streams_ttft_p50_ratio"] = b64["ttft_p50_ms"] / s64["ttft_p50_ms"]
         targets["64_streams_ttft_p50_at_most_quarter"] = targets["64_streams_ttft_p50_ratio"] <= 0.25
-    print("targets:", ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in targets.items()))
+    if args.rounds > 1 and "batched" in results:
+        per_round = []
+        for this in rounds:
+            ours = next((x for x in this["batched"]["levels"] if x["streams"] == 8), None)
+            peer = next((x for x in this.get("llama", {}).get("levels", []) if x["streams"] == 8), None)
+            if ours and peer:
+                per_round.append(ours["tokens_per_s"] / peer["tokens_per_s"])
+        if per_round:
+            targets["8_streams_vs_llama_per_round"] = per_round
+    print("targets:", ", ".join(_show(k, v) for k, v in targets.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "batching", "output_tokens": args.tokens,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
-        "engine_threads": args.engine_threads, "servers": results, "targets": targets,
+        "engine_threads": args.engine_threads, "rounds": args.rounds, "servers": results, "targets": targets,
+        "per_round": rounds if args.rounds > 1 else None,
     }, indent=2))
     print(f"wrote {RESULTS}")
     return 0
