@@ -16,14 +16,20 @@ The linter is advisory: if a rule raises on odd input, the request goes on
 without that rule's warnings (logged), it is never failed because of it.
 
 Execution and bounds (:meth:`PrefixWarner.check_within_budget`, what the proxy
-calls): the check runs on a small thread pool, never on the event loop, while
-the upstream works. Bodies over ``inline_max_bytes`` are checked in a helper
-process instead (the linter's work grows faster than the body; in a thread it
-would hold the GIL, and so every other request, for seconds), which is killed
-when the budget runs out. A request waits at most ``budget_s`` for its warnings;
-past it, it gets one ``GW001`` warning saying the check was cut short. At most
-``max_warnings`` warnings of at most ``max_warning_bytes`` in all are returned;
-the rest are summarised in one warning per code ("N more ...").
+calls, once the request is on its way upstream): the history exchange is awaited
+on the event loop and never blocks it; where the linter runs depends on the body's
+size. Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst
+case there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
+which is how long a check on a thread would hold the GIL, and so the loop, anyway;
+and the two thread hand-offs it saves cost more than a typical check (~20 us).
+Up to ``inline_max_bytes`` it runs on a small thread pool (the loop gets the GIL
+back every switch interval). Larger bodies are checked in a helper process
+instead (the linter's work grows faster than the body; in a thread it would hold
+the GIL, and so every other request, for seconds), which is killed when the
+budget runs out. A request waits at most ``budget_s`` for its warnings (history
+exchange included); past it, it gets one ``GW001`` warning saying the check was
+cut short. At most ``max_warnings`` warnings of at most ``max_warning_bytes`` in
+all are returned; the rest are summarised in one warning per code ("N more ...").
 
 With several worker processes, ``history`` is the supervisor's shared
 :class:`~gateway.shared_history.HistoryClient`, so turns of one conversation are
@@ -35,10 +41,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gateway.lint_process import LintProcess
 from linter.api import (
@@ -55,11 +61,20 @@ __all__ = ["BUDGET_CODE", "CONVERSATION_HEADER", "History", "PrefixWarner", "Pre
 
 BUDGET_CODE = "GW001"
 
+_T = TypeVar("_T")
+
 
 class History(Protocol):
-    def remember(
+    """Where a conversation's latest turn is kept: this process's :class:`PrefixWarner`,
+    or the supervisor's (:class:`~gateway.shared_history.HistoryClient`)."""
+
+    async def exchange(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
-    ) -> Mapping[str, Any] | None: ...
+    ) -> Mapping[str, Any] | None:
+        """Remember ``body`` as the conversation's latest turn; the previous one, or None."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,7 @@ class PrefixWarner:
         max_warning_bytes: int = 16 * 1024,
         budget_s: float = 1.0,
         inline_max_bytes: int = 64 * 1024,
+        loop_max_bytes: int = 8 * 1024,
         history: History | None = None,
     ) -> None:
         self.max_tenants = max_tenants
@@ -148,6 +164,7 @@ class PrefixWarner:
         self.max_warning_bytes = max_warning_bytes
         self.budget_s = budget_s
         self.inline_max_bytes = inline_max_bytes
+        self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
         self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
@@ -163,30 +180,48 @@ class PrefixWarner:
         conversation_header: str | None = None,
         raw: bytes | None = None,
     ) -> list[PrefixWarning]:
-        """:meth:`check`, run off the event loop; at most ``budget_s`` of waiting."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefixgate-lint")
-        future = asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: self.check(
-                tenant, original, canonical, body_size=body_size, conversation_header=conversation_header,
-                raw=raw,
-            )
-        )
+        """:meth:`check`'s findings, with the history exchange awaited on the event loop
+        (it never blocks it) and the linter run where ``body_size`` says (see the module
+        docstring); at most ``budget_s`` of waiting."""
+        task = asyncio.ensure_future(self._check(tenant, original, canonical, body_size, conversation_header, raw))
         try:
-            done, _ = await asyncio.wait({future}, timeout=self.budget_s)
+            done, _ = await asyncio.wait({task}, timeout=self.budget_s)
         finally:
             # A check still queued when its request stops waiting (budget spent, client
             # gone) is dropped: under overload, stale checks must not eat the CPU that
-            # the next requests need. One already running finishes on its thread.
-            future.cancel()
-        return future.result() if done else [self._over_budget()]
+            # the next requests need. One already running on a thread finishes there.
+            task.cancel()
+        return task.result() if done else [self._over_budget()]
+
+    async def _check(
+        self, tenant: str, original: Mapping[str, Any], canonical: Mapping[str, Any], body_size: int,
+        conversation_header: str | None, raw: bytes | None,
+    ) -> list[PrefixWarning]:
+        on_loop = body_size <= min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
+        keys = (conversation_keys(canonical, conversation_header) if on_loop
+                else await self._on_thread(conversation_keys, canonical, conversation_header))
+        previous = await self.history.exchange(tenant, keys, canonical, body_size) if keys is not None else None
+        if on_loop:
+            return self._findings(original, previous, canonical, keys, body_size, raw)
+        return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw)
+
+    async def _on_thread(self, function: Callable[..., _T], *args: Any) -> _T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefixgate-lint")
+        future = asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+        try:
+            return await future
+        finally:
+            future.cancel()  # queued and no longer awaited: never started
 
     def close(self) -> None:
-        """Stop the threads and the helper process (after the running checks)."""
+        """Stop the threads, the helper process (after the running checks) and the history's connection."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lint_process is not None:
             self._lint_process.stop()
+        if self.history is not self:
+            self.history.close()
 
     def _over_budget(self) -> PrefixWarning:
         return PrefixWarning(
@@ -205,7 +240,8 @@ class PrefixWarner:
         conversation_header: str | None = None,
         raw: bytes | None = None,
     ) -> list[PrefixWarning]:
-        """Findings for one request; remembers ``canonical`` as the conversation's latest turn.
+        """Findings for one request, all in the calling thread, with this process's own
+        history (:meth:`remember`); remembers ``canonical`` as the conversation's latest turn.
 
         ``raw``, the client's bytes of ``original`` (``cache_salt`` aside), saves
         re-encoding a large body for the helper process.
@@ -215,7 +251,14 @@ class PrefixWarner:
         bodies (what the upstream cache sees).
         """
         keys = conversation_keys(canonical, conversation_header)
-        previous = self.history.remember(tenant, keys, canonical, body_size) if keys is not None else None
+        previous = self.remember(tenant, keys, canonical, body_size) if keys is not None else None
+        return self._findings(original, previous, canonical, keys, body_size, raw)
+
+    def _findings(
+        self, original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
+        keys: ConversationKeys | None, body_size: int, raw: bytes | None,
+    ) -> list[PrefixWarning]:
+        """The linter's bounded findings, given the conversation's ``previous`` turn."""
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
@@ -231,6 +274,12 @@ class PrefixWarner:
                                   self.max_warning_bytes)
         return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
                               self.max_warning_bytes)
+
+    async def exchange(
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
+    ) -> Mapping[str, Any] | None:
+        """:meth:`remember`, as the :class:`History` protocol has it (one process)."""
+        return self.remember(tenant, keys, body, body_size)
 
     def remember(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
