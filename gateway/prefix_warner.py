@@ -16,9 +16,9 @@ The linter is advisory: if a rule raises on odd input, the request goes on
 without that rule's warnings (logged), it is never failed because of it.
 
 Execution and bounds (:meth:`PrefixWarner.check_within_budget`, what the proxy
-calls, once the request is on its way upstream): the history exchange is awaited
-on the event loop and never blocks it; where the linter runs depends on the body's
-size. Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst
+calls just before the upstream call): the history exchange starts at once and is
+awaited on the event loop, never blocking it; the linter waits until the request
+is on the wire (``lint_after``), and where it runs depends on the body's size. Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst
 case there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
 which is how long a check on a thread would hold the GIL, and so the loop, anyway;
 and the two thread hand-offs it saves cost more than a typical check (~20 us).
@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -68,10 +68,11 @@ class History(Protocol):
     """Where a conversation's latest turn is kept: this process's :class:`PrefixWarner`,
     or the supervisor's (:class:`~gateway.shared_history.HistoryClient`)."""
 
-    async def exchange(
+    def start(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
-    ) -> Mapping[str, Any] | None:
-        """Remember ``body`` as the conversation's latest turn; the previous one, or None."""
+    ) -> Awaitable[Mapping[str, Any] | None]:
+        """Remember ``body`` as the conversation's latest turn, starting now; the awaitable
+        gives the previous one, or None."""
         ...
 
     def close(self) -> None: ...
@@ -179,11 +180,17 @@ class PrefixWarner:
         body_size: int,
         conversation_header: str | None = None,
         raw: bytes | None = None,
+        lint_after: Awaitable[Any] | None = None,
     ) -> list[PrefixWarning]:
         """:meth:`check`'s findings, with the history exchange awaited on the event loop
         (it never blocks it) and the linter run where ``body_size`` says (see the module
-        docstring); at most ``budget_s`` of waiting."""
-        task = asyncio.ensure_future(self._check(tenant, original, canonical, body_size, conversation_header, raw))
+        docstring); at most ``budget_s`` of waiting.
+
+        The history exchange starts at once; the linter waits for ``lint_after`` (the
+        proxy passes "the request is on its way upstream": the exchange's round trip
+        overlaps the upstream call, and the linter's CPU does not delay the send)."""
+        task = asyncio.ensure_future(
+            self._check(tenant, original, canonical, body_size, conversation_header, raw, lint_after))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.budget_s)
         finally:
@@ -195,12 +202,15 @@ class PrefixWarner:
 
     async def _check(
         self, tenant: str, original: Mapping[str, Any], canonical: Mapping[str, Any], body_size: int,
-        conversation_header: str | None, raw: bytes | None,
+        conversation_header: str | None, raw: bytes | None, lint_after: Awaitable[Any] | None,
     ) -> list[PrefixWarning]:
         on_loop = body_size <= min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
         keys = (conversation_keys(canonical, conversation_header) if on_loop
                 else await self._on_thread(conversation_keys, canonical, conversation_header))
-        previous = await self.history.exchange(tenant, keys, canonical, body_size) if keys is not None else None
+        exchange = self.history.start(tenant, keys, canonical, body_size) if keys is not None else None
+        if lint_after is not None:
+            await lint_after
+        previous = await exchange if exchange is not None else None
         if on_loop:
             return self._findings(original, previous, canonical, keys, body_size, raw)
         return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw)
@@ -275,11 +285,13 @@ class PrefixWarner:
         return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
                               self.max_warning_bytes)
 
-    async def exchange(
+    def start(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
-    ) -> Mapping[str, Any] | None:
-        """:meth:`remember`, as the :class:`History` protocol has it (one process)."""
-        return self.remember(tenant, keys, body, body_size)
+    ) -> Awaitable[Mapping[str, Any] | None]:
+        """:meth:`remember`, as the :class:`History` protocol has it (one process: done at once)."""
+        done: asyncio.Future[Mapping[str, Any] | None] = asyncio.get_running_loop().create_future()
+        done.set_result(self.remember(tenant, keys, body, body_size))
+        return done
 
     def remember(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int

@@ -114,6 +114,19 @@ class HistoryServer:
         Path(self._dir).rmdir()
 
 
+def _decoded(reply: asyncio.Future[bytes]) -> Mapping[str, Any] | None:
+    """The previous turn from a finished exchange; None if there was none or it failed (logged)."""
+    exc = reply.exception()
+    if exc is not None:
+        log.warning("shared conversation history unreachable (%s); checking this request alone", exc)
+        return None
+    previous = reply.result()
+    if not previous:
+        return None
+    loaded: Mapping[str, Any] = orjson.loads(previous)
+    return loaded
+
+
 class _Exchanges(asyncio.Protocol):
     """One connection to the server: requests go out in order and their replies come back
     in the same order (the server answers one connection's frames one after another), so
@@ -178,24 +191,44 @@ class HistoryClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[_Exchanges] | None = None
 
+    def start(
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
+    ) -> asyncio.Future[Mapping[str, Any] | None]:
+        """Remember ``body`` as the conversation's latest turn; the future gives the previous
+        one, or None (also when the server cannot be reached: logged, the request is checked
+        alone). Once connected, the request is written before this returns."""
+        frames = (orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size]),
+                  orjson.dumps(body) if body_size <= self.max_body_bytes else b"")
+        loop = asyncio.get_running_loop()
+        connection = self._connection
+        if connection is None or connection.closed or self._loop is not loop:
+            return asyncio.ensure_future(self._connect_and_exchange(frames))
+        written = connection.exchange(*frames)
+        previous: asyncio.Future[Mapping[str, Any] | None] = loop.create_future()
+
+        def settle(reply: asyncio.Future[bytes]) -> None:
+            if not previous.done():
+                previous.set_result(None if reply.cancelled() else _decoded(reply))
+
+        written.add_done_callback(settle)
+        previous.add_done_callback(lambda _: written.cancel())  # given up: its reply is dropped
+        return previous
+
     async def exchange(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
     ) -> Mapping[str, Any] | None:
-        """Remember ``body`` as the conversation's latest turn; the previous one, or None
-        (also when the server cannot be reached: logged, the request is checked alone)."""
+        """:meth:`start`, awaited."""
+        return await self.start(tenant, keys, body, body_size)
+
+    async def _connect_and_exchange(self, frames: tuple[bytes, bytes]) -> Mapping[str, Any] | None:
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         try:
-            connection = await self._connected()
-            payload = orjson.dumps(body) if body_size <= self.max_body_bytes else b""
-            previous = await connection.exchange(
-                orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size]), payload
-            )
-        except (OSError, EOFError, TypeError) as exc:  # ConnectionError is an OSError
-            log.warning("shared conversation history unreachable (%s); checking this request alone", exc)
-            return None
-        if not previous:
-            return None
-        loaded: Mapping[str, Any] = orjson.loads(previous)
-        return loaded
+            reply = (await self._connected()).exchange(*frames)
+            await reply
+        except OSError as exc:
+            if not reply.done():  # could not connect
+                reply.set_exception(exc)
+        return _decoded(reply)
 
     async def _connected(self) -> _Exchanges:
         loop = asyncio.get_running_loop()

@@ -144,6 +144,14 @@ def test_pipelined_exchanges_get_their_own_replies_in_order():
         replies = await asyncio.gather(*(client.exchange("t", k, turn(n + 100), 100)
                                          for n, k in enumerate(keys) if k and n % 3))
         assert replies == [turn(n) for n in range(40) if n % 3]
+        # once connected, start() has handed the request to the socket when it returns
+        # (the round trip runs while the proxy sends the request upstream)
+        pending = client.start("t", keys[1], turn(200), 100)
+        connection = client._connection
+        assert connection is not None and connection.transport is not None
+        assert connection.transport.get_write_buffer_size() == 0 and not pending.done()
+        assert await pending == turn(101)
+        assert await client.exchange("t", keys[1], turn(201), 100) == turn(200)
         client.close()
 
     try:
