@@ -189,16 +189,15 @@ class PrefixWarner:
         The history exchange starts at once; the linter waits for ``lint_after`` (the
         proxy passes "the request is on its way upstream": the exchange's round trip
         overlaps the upstream call, and the linter's CPU does not delay the send)."""
-        task = asyncio.ensure_future(
-            self._check(tenant, original, canonical, body_size, conversation_header, raw, lint_after))
+        # A check still queued when its request stops waiting (budget spent, client gone)
+        # is dropped: under overload, stale checks must not eat the CPU that the next
+        # requests need. One already running on a thread finishes there.
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.budget_s)
-        finally:
-            # A check still queued when its request stops waiting (budget spent, client
-            # gone) is dropped: under overload, stale checks must not eat the CPU that
-            # the next requests need. One already running on a thread finishes there.
-            task.cancel()
-        return task.result() if done else [self._over_budget()]
+            async with asyncio.timeout(self.budget_s):
+                return await self._check(tenant, original, canonical, body_size, conversation_header, raw,
+                                         lint_after)
+        except TimeoutError:
+            return [self._over_budget()]
 
     async def _check(
         self, tenant: str, original: Mapping[str, Any], canonical: Mapping[str, Any], body_size: int,
