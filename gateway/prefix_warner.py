@@ -102,24 +102,35 @@ def _convert(findings: list[Any]) -> list[PrefixWarning]:
     ]
 
 
+def request_warnings(original: Mapping[str, Any]) -> list[PrefixWarning]:
+    """The linter's per-request rules on the body as the client sent it. Never raises."""
+    try:
+        return _convert(check_request(original))
+    except Exception:
+        log.exception("linter check_request failed; continuing without its warnings")
+        return []
+
+
+def turn_warnings(
+    previous: Mapping[str, Any] | None, canonical: Mapping[str, Any], edits: bool = True
+) -> list[PrefixWarning]:
+    """The comparison of ``canonical`` with the conversation's ``previous`` turn (history
+    edits reported only when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
+    if previous is None:
+        return []
+    try:
+        return _convert(compare_requests(previous, canonical, same_conversation=True, edits=edits))
+    except Exception:
+        log.exception("linter compare_requests failed; continuing without its warnings")
+        return []
+
+
 def lint(
     original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
     edits: bool = True,
 ) -> list[PrefixWarning]:
-    """The linter's findings: per-request rules on ``original``, then the comparison of
-    ``canonical`` with the conversation's ``previous`` turn (history edits reported only
-    when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
-    warnings: list[PrefixWarning] = []
-    try:
-        warnings.extend(_convert(check_request(original)))
-    except Exception:
-        log.exception("linter check_request failed; continuing without its warnings")
-    if previous is not None:
-        try:
-            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True, edits=edits)))
-        except Exception:
-            log.exception("linter compare_requests failed; continuing without its warnings")
-    return warnings
+    """The linter's findings: :func:`request_warnings`, then :func:`turn_warnings`."""
+    return request_warnings(original) + turn_warnings(previous, canonical, edits)
 
 
 def bound_warnings(
@@ -209,9 +220,11 @@ class PrefixWarner:
         exchange = self.history.start(tenant, keys, canonical, body_size) if keys is not None else None
         if lint_after is not None:
             await lint_after
+        # on the loop, the per-request rules run while the history's reply is on its way
+        own = request_warnings(original) if on_loop else None
         previous = await exchange if exchange is not None else None
         if on_loop:
-            return self._findings(original, previous, canonical, keys, body_size, raw)
+            return self._findings(original, previous, canonical, keys, body_size, raw, own)
         return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw)
 
     async def _on_thread(self, function: Callable[..., _T], *args: Any) -> _T:
@@ -266,8 +279,10 @@ class PrefixWarner:
     def _findings(
         self, original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
         keys: ConversationKeys | None, body_size: int, raw: bytes | None,
+        own: list[PrefixWarning] | None = None,
     ) -> list[PrefixWarning]:
-        """The linter's bounded findings, given the conversation's ``previous`` turn."""
+        """The linter's bounded findings, given the conversation's ``previous`` turn
+        (and ``own``, the per-request rules' findings, when already computed)."""
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
@@ -281,8 +296,9 @@ class PrefixWarner:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
                                   self.max_warning_bytes)
-        return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
-                              self.max_warning_bytes)
+        warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
+            previous, canonical, edits)
+        return bound_warnings(warnings, self.max_warnings, self.max_warning_bytes)
 
     def start(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
