@@ -18,18 +18,20 @@ without that rule's warnings (logged), it is never failed because of it.
 Execution and bounds (:meth:`PrefixWarner.check_within_budget`, what the proxy
 calls just before the upstream call): the history exchange starts at once and is
 awaited on the event loop, never blocking it; the linter waits until the request
-is on the wire (``lint_after``), and where it runs depends on the body's size. Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst
-case there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
+is on the wire (``lint_after``), and where it runs depends on the body's size.
+Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst case
+there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
 which is how long a check on a thread would hold the GIL, and so the loop, anyway;
 and the two thread hand-offs it saves cost more than a typical check (~20 us).
 Up to ``inline_max_bytes`` it runs on a small thread pool (the loop gets the GIL
 back every switch interval). Larger bodies are checked in a helper process
 instead (the linter's work grows faster than the body; in a thread it would hold
 the GIL, and so every other request, for seconds), which is killed when the
-budget runs out. A request waits at most ``budget_s`` for its warnings (history
-exchange included); past it, it gets one ``GW001`` warning saying the check was
-cut short. At most ``max_warnings`` warnings of at most ``max_warning_bytes`` in
-all are returned; the rest are summarised in one warning per code ("N more ...").
+budget runs out. A request waits at most ``budget_s`` for its warnings once it is
+on the wire (history exchange included); past it, it gets one ``GW001`` warning
+saying the check was cut short. At most ``max_warnings`` warnings of at most
+``max_warning_bytes`` in all are returned; the rest are summarised in one warning
+per code ("N more ...").
 
 With several worker processes, ``history`` is the supervisor's shared
 :class:`~gateway.shared_history.HistoryClient`, so turns of one conversation are
@@ -199,20 +201,22 @@ class PrefixWarner:
 
         The history exchange starts at once; the linter waits for ``lint_after`` (the
         proxy passes "the request is on its way upstream": the exchange's round trip
-        overlaps the upstream call, and the linter's CPU does not delay the send)."""
+        overlaps the upstream call, and the linter's CPU does not delay the send), and
+        the budget counts from then."""
         # A check still queued when its request stops waiting (budget spent, client gone)
         # is dropped: under overload, stale checks must not eat the CPU that the next
         # requests need. One already running on a thread finishes there.
         try:
-            async with asyncio.timeout(self.budget_s):
+            async with asyncio.timeout(None if lint_after is not None else self.budget_s) as budget:
                 return await self._check(tenant, original, canonical, body_size, conversation_header, raw,
-                                         lint_after)
+                                         lint_after, budget)
         except TimeoutError:
             return [self._over_budget()]
 
     async def _check(
         self, tenant: str, original: Mapping[str, Any], canonical: Mapping[str, Any], body_size: int,
         conversation_header: str | None, raw: bytes | None, lint_after: Awaitable[Any] | None,
+        budget: asyncio.Timeout,
     ) -> list[PrefixWarning]:
         on_loop = body_size <= min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
         keys = (conversation_keys(canonical, conversation_header) if on_loop
@@ -220,6 +224,7 @@ class PrefixWarner:
         exchange = self.history.start(tenant, keys, canonical, body_size) if keys is not None else None
         if lint_after is not None:
             await lint_after
+            budget.reschedule(asyncio.get_running_loop().time() + self.budget_s)  # counted from the send
         # on the loop, the per-request rules run while the history's reply is on its way
         own = request_warnings(original) if on_loop else None
         previous = await exchange if exchange is not None else None

@@ -187,3 +187,22 @@ def test_a_stalled_history_server_costs_a_request_its_budget_not_more():
             listener.close()
         assert [w.code for w in warnings] == [BUDGET_CODE]
         assert time.monotonic() - started < 5.0
+
+
+def test_the_budget_counts_from_the_send_not_from_the_history_exchange():
+    """The proxy starts the check (history exchange) before the upstream call and lets the
+    linter go once the request is on the wire: a slow send does not eat the budget."""
+    body = dated_body(1024)
+
+    async def go() -> list[PrefixWarning]:
+        warner = PrefixWarner(budget_s=0.3)
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.5, sent.set_result, None)  # a slow connect upstream
+        started = time.monotonic()
+        found = await warner.check_within_budget("t", body, body, body_size=1024, lint_after=sent)
+        assert time.monotonic() - started >= 0.5
+        warner.close()
+        return found
+
+    warnings = asyncio.run(go())
+    assert warnings and BUDGET_CODE not in [w.code for w in warnings] and warnings[0].code == "PS101"
