@@ -16,14 +16,22 @@ The linter is advisory: if a rule raises on odd input, the request goes on
 without that rule's warnings (logged), it is never failed because of it.
 
 Execution and bounds (:meth:`PrefixWarner.check_within_budget`, what the proxy
-calls): the check runs on a small thread pool, never on the event loop, while
-the upstream works. Bodies over ``inline_max_bytes`` are checked in a helper
-process instead (the linter's work grows faster than the body; in a thread it
-would hold the GIL, and so every other request, for seconds), which is killed
-when the budget runs out. A request waits at most ``budget_s`` for its warnings;
-past it, it gets one ``GW001`` warning saying the check was cut short. At most
-``max_warnings`` warnings of at most ``max_warning_bytes`` in all are returned;
-the rest are summarised in one warning per code ("N more ...").
+calls just before the upstream call): the history exchange starts at once and is
+awaited on the event loop, never blocking it; the linter waits until the request
+is on the wire (``lint_after``), and where it runs depends on the body's size.
+Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst case
+there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
+which is how long a check on a thread would hold the GIL, and so the loop, anyway;
+and the two thread hand-offs it saves cost more than a typical check (~20 us).
+Up to ``inline_max_bytes`` it runs on a small thread pool (the loop gets the GIL
+back every switch interval). Larger bodies are checked in a helper process
+instead (the linter's work grows faster than the body; in a thread it would hold
+the GIL, and so every other request, for seconds), which is killed when the
+budget runs out. A request waits at most ``budget_s`` for its warnings once it is
+on the wire (history exchange included); past it, it gets one ``GW001`` warning
+saying the check was cut short. At most ``max_warnings`` warnings of at most
+``max_warning_bytes`` in all are returned; the rest are summarised in one warning
+per code ("N more ...").
 
 With several worker processes, ``history`` is the supervisor's shared
 :class:`~gateway.shared_history.HistoryClient`, so turns of one conversation are
@@ -35,10 +43,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gateway.lint_process import LintProcess
 from linter.api import (
@@ -55,11 +63,21 @@ __all__ = ["BUDGET_CODE", "CONVERSATION_HEADER", "History", "PrefixWarner", "Pre
 
 BUDGET_CODE = "GW001"
 
+_T = TypeVar("_T")
+
 
 class History(Protocol):
-    def remember(
+    """Where a conversation's latest turn is kept: this process's :class:`PrefixWarner`,
+    or the supervisor's (:class:`~gateway.shared_history.HistoryClient`)."""
+
+    def start(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
-    ) -> Mapping[str, Any] | None: ...
+    ) -> Awaitable[Mapping[str, Any] | None]:
+        """Remember ``body`` as the conversation's latest turn, starting now; the awaitable
+        gives the previous one, or None."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,24 +104,35 @@ def _convert(findings: list[Any]) -> list[PrefixWarning]:
     ]
 
 
+def request_warnings(original: Mapping[str, Any]) -> list[PrefixWarning]:
+    """The linter's per-request rules on the body as the client sent it. Never raises."""
+    try:
+        return _convert(check_request(original))
+    except Exception:
+        log.exception("linter check_request failed; continuing without its warnings")
+        return []
+
+
+def turn_warnings(
+    previous: Mapping[str, Any] | None, canonical: Mapping[str, Any], edits: bool = True
+) -> list[PrefixWarning]:
+    """The comparison of ``canonical`` with the conversation's ``previous`` turn (history
+    edits reported only when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
+    if previous is None:
+        return []
+    try:
+        return _convert(compare_requests(previous, canonical, same_conversation=True, edits=edits))
+    except Exception:
+        log.exception("linter compare_requests failed; continuing without its warnings")
+        return []
+
+
 def lint(
     original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
     edits: bool = True,
 ) -> list[PrefixWarning]:
-    """The linter's findings: per-request rules on ``original``, then the comparison of
-    ``canonical`` with the conversation's ``previous`` turn (history edits reported only
-    when ``edits``; see :func:`linter.api.compare_requests`). Never raises."""
-    warnings: list[PrefixWarning] = []
-    try:
-        warnings.extend(_convert(check_request(original)))
-    except Exception:
-        log.exception("linter check_request failed; continuing without its warnings")
-    if previous is not None:
-        try:
-            warnings.extend(_convert(compare_requests(previous, canonical, same_conversation=True, edits=edits)))
-        except Exception:
-            log.exception("linter compare_requests failed; continuing without its warnings")
-    return warnings
+    """The linter's findings: :func:`request_warnings`, then :func:`turn_warnings`."""
+    return request_warnings(original) + turn_warnings(previous, canonical, edits)
 
 
 def bound_warnings(
@@ -139,6 +168,7 @@ class PrefixWarner:
         max_warning_bytes: int = 16 * 1024,
         budget_s: float = 1.0,
         inline_max_bytes: int = 64 * 1024,
+        loop_max_bytes: int = 8 * 1024,
         history: History | None = None,
     ) -> None:
         self.max_tenants = max_tenants
@@ -148,6 +178,7 @@ class PrefixWarner:
         self.max_warning_bytes = max_warning_bytes
         self.budget_s = budget_s
         self.inline_max_bytes = inline_max_bytes
+        self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
         self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
@@ -162,31 +193,62 @@ class PrefixWarner:
         body_size: int,
         conversation_header: str | None = None,
         raw: bytes | None = None,
+        lint_after: Awaitable[Any] | None = None,
     ) -> list[PrefixWarning]:
-        """:meth:`check`, run off the event loop; at most ``budget_s`` of waiting."""
+        """:meth:`check`'s findings, with the history exchange awaited on the event loop
+        (it never blocks it) and the linter run where ``body_size`` says (see the module
+        docstring); at most ``budget_s`` of waiting.
+
+        The history exchange starts at once; the linter waits for ``lint_after`` (the
+        proxy passes "the request is on its way upstream": the exchange's round trip
+        overlaps the upstream call, and the linter's CPU does not delay the send), and
+        the budget counts from then."""
+        # A check still queued when its request stops waiting (budget spent, client gone)
+        # is dropped: under overload, stale checks must not eat the CPU that the next
+        # requests need. One already running on a thread finishes there.
+        try:
+            async with asyncio.timeout(None if lint_after is not None else self.budget_s) as budget:
+                return await self._check(tenant, original, canonical, body_size, conversation_header, raw,
+                                         lint_after, budget)
+        except TimeoutError:
+            return [self._over_budget()]
+
+    async def _check(
+        self, tenant: str, original: Mapping[str, Any], canonical: Mapping[str, Any], body_size: int,
+        conversation_header: str | None, raw: bytes | None, lint_after: Awaitable[Any] | None,
+        budget: asyncio.Timeout,
+    ) -> list[PrefixWarning]:
+        on_loop = body_size <= min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
+        keys = (conversation_keys(canonical, conversation_header) if on_loop
+                else await self._on_thread(conversation_keys, canonical, conversation_header))
+        exchange = self.history.start(tenant, keys, canonical, body_size) if keys is not None else None
+        if lint_after is not None:
+            await lint_after
+            budget.reschedule(asyncio.get_running_loop().time() + self.budget_s)  # counted from the send
+        # on the loop, the per-request rules run while the history's reply is on its way
+        own = request_warnings(original) if on_loop else None
+        previous = await exchange if exchange is not None else None
+        if on_loop:
+            return self._findings(original, previous, canonical, keys, body_size, raw, own)
+        return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw)
+
+    async def _on_thread(self, function: Callable[..., _T], *args: Any) -> _T:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefixgate-lint")
-        future = asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: self.check(
-                tenant, original, canonical, body_size=body_size, conversation_header=conversation_header,
-                raw=raw,
-            )
-        )
+        future = asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
         try:
-            done, _ = await asyncio.wait({future}, timeout=self.budget_s)
+            return await future
         finally:
-            # A check still queued when its request stops waiting (budget spent, client
-            # gone) is dropped: under overload, stale checks must not eat the CPU that
-            # the next requests need. One already running finishes on its thread.
-            future.cancel()
-        return future.result() if done else [self._over_budget()]
+            future.cancel()  # queued and no longer awaited: never started
 
     def close(self) -> None:
-        """Stop the threads and the helper process (after the running checks)."""
+        """Stop the threads, the helper process (after the running checks) and the history's connection."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lint_process is not None:
             self._lint_process.stop()
+        if self.history is not self:
+            self.history.close()
 
     def _over_budget(self) -> PrefixWarning:
         return PrefixWarning(
@@ -205,7 +267,8 @@ class PrefixWarner:
         conversation_header: str | None = None,
         raw: bytes | None = None,
     ) -> list[PrefixWarning]:
-        """Findings for one request; remembers ``canonical`` as the conversation's latest turn.
+        """Findings for one request, all in the calling thread, with this process's own
+        history (:meth:`remember`); remembers ``canonical`` as the conversation's latest turn.
 
         ``raw``, the client's bytes of ``original`` (``cache_salt`` aside), saves
         re-encoding a large body for the helper process.
@@ -215,7 +278,16 @@ class PrefixWarner:
         bodies (what the upstream cache sees).
         """
         keys = conversation_keys(canonical, conversation_header)
-        previous = self.history.remember(tenant, keys, canonical, body_size) if keys is not None else None
+        previous = self.remember(tenant, keys, canonical, body_size) if keys is not None else None
+        return self._findings(original, previous, canonical, keys, body_size, raw)
+
+    def _findings(
+        self, original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
+        keys: ConversationKeys | None, body_size: int, raw: bytes | None,
+        own: list[PrefixWarning] | None = None,
+    ) -> list[PrefixWarning]:
+        """The linter's bounded findings, given the conversation's ``previous`` turn
+        (and ``own``, the per-request rules' findings, when already computed)."""
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
@@ -229,8 +301,17 @@ class PrefixWarner:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
                                   self.max_warning_bytes)
-        return bound_warnings(lint(original, previous, canonical, edits), self.max_warnings,
-                              self.max_warning_bytes)
+        warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
+            previous, canonical, edits)
+        return bound_warnings(warnings, self.max_warnings, self.max_warning_bytes)
+
+    def start(
+        self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int
+    ) -> Awaitable[Mapping[str, Any] | None]:
+        """:meth:`remember`, as the :class:`History` protocol has it (one process: done at once)."""
+        done: asyncio.Future[Mapping[str, Any] | None] = asyncio.get_running_loop().create_future()
+        done.set_result(self.remember(tenant, keys, body, body_size))
+        return done
 
     def remember(
         self, tenant: str, keys: ConversationKeys, body: Mapping[str, Any], body_size: int

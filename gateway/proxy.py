@@ -2,11 +2,12 @@
 
 Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
 take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
-server-side salt -> start the upstream call -> prefix warnings (chat; computed
-while the upstream works, or before anything is sent for ``reject_on`` tenants)
-(on the warner's threads, within its budget) -> await the upstream unless the
-client leaves -> relay, adding warnings ->
-exactly one stats row, whatever happened. Every failure is a
+server-side salt -> prefix warnings (chat, within the warner's budget): the
+conversation-history exchange is started, then the upstream call, and the linter
+runs once the request is on the wire, so both overlap the upstream's work (for
+``reject_on`` tenants the whole check runs before anything is sent) -> await the
+upstream unless the client leaves -> relay, adding warnings -> exactly one stats
+row, whatever happened. Every failure is a
 :class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
 become a 500 and are logged.
 """
@@ -101,28 +102,38 @@ class Proxy:
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
 
-        async def check() -> list[PrefixWarning]:
+        async def check(lint_after: asyncio.Future[None] | None = None) -> list[PrefixWarning]:
             if record.endpoint == "completions" or not tenant.warnings:
                 return []
-            sent, canonical = original, body
-            sent_raw: bytes | None = raw
+            as_sent, canonical = original, body
+            as_sent_raw: bytes | None = raw
             if record.endpoint == "responses":  # warned about as the chat request it stands for
-                sent, canonical, sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
+                as_sent, canonical, as_sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
                 if not canonical.get("messages"):
                     return []
             return await self.warner.check_within_budget(
-                tenant.name, sent, canonical, body_size=len(raw),
-                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=sent_raw,
+                tenant.name, as_sent, canonical, body_size=len(raw),
+                conversation_header=request.headers.get(CONVERSATION_HEADER), raw=as_sent_raw,
+                lint_after=lint_after,
             )
 
         warnings: list[PrefixWarning] | None = None
         if tenant.reject_on:  # the verdict is needed before anything goes upstream
             warnings = await check()
             self._enforce(tenant, record, warnings)
-        route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
-        stack = contextlib.AsyncExitStack()
-        path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Advisory warnings are computed while the upstream works on the request: the
+        # history exchange starts first (its round trip overlaps the upstream call), the
+        # linter once the request is on the wire (or the call ended).
+        checking = asyncio.ensure_future(check(sent)) if warnings is None else None
+        stack = contextlib.AsyncExitStack()
+        try:
+            route = await self.replicas.route(record, upstream_body)  # replica + predicted hit
+        except BaseException:
+            if checking is not None:
+                checking.cancel()
+            raise
+        path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
 
         def on_sent(*_: Any) -> None:
             if not sent.done():
@@ -135,15 +146,15 @@ class Proxy:
         )
         work.add_done_callback(on_sent)
         try:
-            if warnings is None:
-                # Advisory warnings are computed while the upstream works on the request:
-                # wait until it is on the wire (or the call ended), then run the linter.
-                await sent
-                warnings = await check()
+            if checking is not None:
+                warnings = await checking
+            assert warnings is not None
             record.warning_codes = [warning.code for warning in warnings]
             result = await _unless_disconnected(request, work)
         except BaseException:
             work.cancel()
+            if checking is not None:
+                checking.cancel()
             await stack.aclose()
             raise
         warning_dicts = [warning.to_dict() for warning in warnings]

@@ -99,3 +99,30 @@ def test_a_shared_prompt_cache_key_does_not_tie_unrelated_chats():
             body = {**body, "prompt_cache_key": "billing-app"}
             codes += [w.code for w in warner.check("t", body, body, body_size=10, conversation_header=header) if w.code.startswith("PS2")]
         assert codes == expected
+
+
+def test_each_execution_path_gives_the_same_findings_in_the_same_order():
+    """On the loop (per-request rules before the history's reply), on a thread and all at
+    once: one body with both per-request findings (a date) and a broken prefix."""
+    import asyncio
+
+    dated = {"role": "system", "content": "Today is 2026-11-23 10:42:17. " + SYSTEM["content"] * 4}
+    first = {"model": "m", "messages": [dated, {"role": "user", "content": "My balance?"}]}
+    second = {"model": "m", "messages": [{**dated, "content": dated["content"] + "!"},
+                                         {"role": "user", "content": "My balance?"},
+                                         {"role": "assistant", "content": "12"},
+                                         {"role": "user", "content": "And last month?"}]}
+    found = []
+    for warner in (PrefixWarner(), PrefixWarner(loop_max_bytes=0)):
+        async def go(warner: PrefixWarner = warner) -> list:
+            await warner.check_within_budget("t", first, first, body_size=500, conversation_header="c")
+            return await warner.check_within_budget("t", second, second, body_size=500, conversation_header="c")
+        found.append(asyncio.run(go()))
+        warner.close()
+    reference = PrefixWarner()
+    reference.check("t", first, first, body_size=500, conversation_header="c")
+    found.append(reference.check("t", second, second, body_size=500, conversation_header="c"))
+    codes = [w.code for w in found[0]]
+    assert "PS101" in codes and any(code.startswith("PS2") for code in codes), codes
+    assert codes.index("PS101") < min(i for i, code in enumerate(codes) if code.startswith("PS2"))
+    assert found[0] == found[1] == found[2]

@@ -8,6 +8,7 @@ import time
 
 from gateway.prefix_warner import BUDGET_CODE, PrefixWarner, PrefixWarning, bound_warnings
 from gateway.shared_history import HistoryClient, HistoryServer
+from linter.api import conversation_keys
 
 DATES = "Meeting on 2026-11-23 at 10:42:17, next on 2026-11-24. "
 
@@ -73,26 +74,135 @@ def test_large_bodies_are_checked_in_a_helper_process_stopped_at_the_budget():
     asyncio.run(go())
 
 
+def ps2(warnings: list[PrefixWarning]) -> list[str]:
+    return [w.code for w in warnings if w.code.startswith("PS2")]
+
+
 def test_history_shared_through_the_server_compares_turns_across_clients():
+    system = {"role": "system", "content": "You answer questions about invoices."}
+    turn1 = {"model": "m", "messages": [system, {"role": "user", "content": "My balance?"}]}
+    turn2 = {"model": "m", "messages": [
+        {"role": "system", "content": "You answer questions about invoices!"},
+        {"role": "user", "content": "My balance?"}, {"role": "assistant", "content": "12"},
+        {"role": "user", "content": "And last month?"}]}
+    thread = "invoices-1"  # an edited system prompt only shows as a break within a named conversation
     server = HistoryServer(PrefixWarner()).start()
+
+    async def go() -> None:
+        # two workers' warners (one checks on its event loop, one on its threads), one history
+        first = PrefixWarner(history=HistoryClient(server.path))
+        second = PrefixWarner(history=HistoryClient(server.path), loop_max_bytes=0)
+        try:
+            assert not ps2(await first.check_within_budget("t", turn1, turn1, body_size=100,
+                                                           conversation_header=thread))
+            assert ps2(await second.check_within_budget("t", turn2, turn2, body_size=100,
+                                                        conversation_header=thread))
+            # another tenant never sees this conversation
+            assert not ps2(await second.check_within_budget("u", turn2, turn2, body_size=100,
+                                                            conversation_header=thread))
+            # back on the first worker: the second's turn is the one compared
+            turn3 = {**turn2, "messages": [*turn2["messages"][:1], {"role": "user", "content": "Hm?"}]}
+            assert ps2(await first.check_within_budget("t", turn3, turn3, body_size=100,
+                                                       conversation_header=thread))
+        finally:
+            first.close()
+            second.close()
+
     try:
-        first, second = PrefixWarner(history=HistoryClient(server.path)), PrefixWarner(history=HistoryClient(server.path))
-        system = {"role": "system", "content": "You answer questions about invoices."}
-        turn1 = {"model": "m", "messages": [system, {"role": "user", "content": "My balance?"}]}
-        turn2 = {"model": "m", "messages": [
-            {"role": "system", "content": "You answer questions about invoices!"},
-            {"role": "user", "content": "My balance?"}, {"role": "assistant", "content": "12"},
-            {"role": "user", "content": "And last month?"}]}
-        # an edited system prompt only shows as a break within an explicitly named conversation
-        thread = "invoices-1"
-        assert not [w for w in first.check("t", turn1, turn1, body_size=100, conversation_header=thread)
-                    if w.code.startswith("PS2")]
-        codes = [w.code for w in second.check("t", turn2, turn2, body_size=100, conversation_header=thread)]
-        assert any(code.startswith("PS2") for code in codes), codes
-        # another tenant never sees this conversation
-        other = [w.code for w in second.check("u", turn2, turn2, body_size=100, conversation_header=thread)]
-        assert not any(code.startswith("PS2") for code in other)
+        asyncio.run(go())
     finally:
         server.close()
-    lonely = PrefixWarner(history=HistoryClient(server.path))  # server gone: checked alone, no failure
-    assert not [w for w in lonely.check("t", turn2, turn2, body_size=100) if w.code.startswith("PS2")]
+
+    async def alone() -> None:  # server gone: checked alone, logged, no failure
+        lonely = PrefixWarner(history=HistoryClient(server.path))
+        assert not ps2(await lonely.check_within_budget("t", turn2, turn2, body_size=100,
+                                                         conversation_header=thread))
+        warnings = await lonely.check_within_budget("t", turn2, turn2, body_size=100)
+        assert warnings == lonely.check("t", turn2, turn2, body_size=100)  # the same per-request findings
+        lonely.close()
+    asyncio.run(alone())
+
+
+def test_pipelined_exchanges_get_their_own_replies_in_order():
+    """Many checks of one worker in flight on one connection, some given up by their
+    requests (their replies must still be read and dropped, not handed to the next)."""
+    server = HistoryServer(PrefixWarner()).start()
+
+    def turn(n: int) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": f"question {n}"}]}
+
+    async def go() -> None:
+        client = HistoryClient(server.path)
+        keys = [conversation_keys(turn(n), f"c{n}") for n in range(40)]
+        assert all(k is not None for k in keys)
+        await asyncio.gather(*(client.exchange("t", k, turn(n), 100) for n, k in enumerate(keys) if k))
+        abandoned = [asyncio.ensure_future(client.exchange("t", k, turn(n), 100))
+                     for n, k in enumerate(keys) if k and n % 3 == 0]
+        await asyncio.sleep(0)  # written to the socket
+        for future in abandoned:
+            future.cancel()
+        replies = await asyncio.gather(*(client.exchange("t", k, turn(n + 100), 100)
+                                         for n, k in enumerate(keys) if k and n % 3))
+        assert replies == [turn(n) for n in range(40) if n % 3]
+        # once connected, start() has handed the request to the socket when it returns
+        # (the round trip runs while the proxy sends the request upstream)
+        pending = client.start("t", keys[1], turn(200), 100)
+        connection = client._connection
+        assert connection is not None and connection.transport is not None
+        assert connection.transport.get_write_buffer_size() == 0 and not pending.done()
+        assert await pending == turn(101)
+        assert await client.exchange("t", keys[1], turn(201), 100) == turn(200)
+        client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.close()
+
+
+def test_a_stalled_history_server_costs_a_request_its_budget_not_more():
+    """A server that accepts but never answers: the check gives up at its budget."""
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = str(Path(directory) / "stalled.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(4)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+        async def go() -> list[PrefixWarning]:
+            warner = PrefixWarner(history=HistoryClient(path), budget_s=0.3)
+            try:
+                return await warner.check_within_budget("t", body, body, body_size=50, conversation_header="x")
+            finally:
+                warner.close()
+
+        started = time.monotonic()
+        try:
+            warnings = asyncio.run(go())
+        finally:
+            listener.close()
+        assert [w.code for w in warnings] == [BUDGET_CODE]
+        assert time.monotonic() - started < 5.0
+
+
+def test_the_budget_counts_from_the_send_not_from_the_history_exchange():
+    """The proxy starts the check (history exchange) before the upstream call and lets the
+    linter go once the request is on the wire: a slow send does not eat the budget."""
+    body = dated_body(1024)
+
+    async def go() -> list[PrefixWarning]:
+        warner = PrefixWarner(budget_s=0.3)
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.5, sent.set_result, None)  # a slow connect upstream
+        started = time.monotonic()
+        found = await warner.check_within_budget("t", body, body, body_size=1024, lint_after=sent)
+        assert time.monotonic() - started >= 0.5
+        warner.close()
+        return found
+
+    warnings = asyncio.run(go())
+    assert warnings and BUDGET_CODE not in [w.code for w in warnings] and warnings[0].code == "PS101"
