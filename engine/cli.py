@@ -122,7 +122,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread and serve until stopped."""
+    """Load the model on the engine thread, start its loop there and serve until stopped."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.config import EngineConfig
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("no --api-key: anyone who can reach %s:%d can use this engine", args.host, args.port)
 
     try:
-        engine = LLMEngine.from_config(config)
+        engine = LLMEngine.launch(config)  # loads and runs on one thread (see launch)
     except (OSError, ValueError) as exc:
         logger.error("could not load the model: %s", exc)
         return 1
@@ -171,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
         publisher = KvEventPublisher(events_config)
         kv.block_pool.event_sink = publisher.recorder
         publisher.start()
-    engine.start()
     try:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    media=media, log_level=args.log_level)
