@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.kvcache.block_hash import MultiModalItem
@@ -69,7 +70,10 @@ class ImagePromptProcessor:
         batch: Any = None
         if images:
             batch = [list(images)] if self.nested else list(images)
-        return self.processor(text=[text], images=batch, add_special_tokens=False, return_tensors="pt")
+        # numpy, not torch: this runs on a server thread, and a torch copy there would start
+        # a second OpenMP pool next to the engine thread's (see LLMEngine.launch); the
+        # arrays become tensors below without a copy.
+        return self.processor(text=[text], images=batch, add_special_tokens=False, return_tensors="np")
 
     def encode(self, text: str, images: Sequence[Any], identifiers: Sequence[str]) -> ProcessedPrompt:
         """Process ``text`` (which holds one :attr:`image_text` per image, in order) with
@@ -88,8 +92,8 @@ class ImagePromptProcessor:
             if count < 1 or len(mine) != count:
                 raise ValueError(f"the prompt has {len(positions)} image tokens, fewer than its images need")
             taken += count
-            pixels = {k: v for k, v in alone.items() if k not in ("input_ids", "attention_mask")
-                      and isinstance(v, torch.Tensor)}
+            pixels = {k: torch.from_numpy(v) for k, v in alone.items() if k not in ("input_ids", "attention_mask")
+                      and isinstance(v, np.ndarray)}
             inputs.append(ImageInput(identifier, torch.tensor(mine, dtype=torch.long), pixels))
         if taken != len(positions):
             raise ValueError(
