@@ -25,12 +25,19 @@ subscriber asks for a replay from 0 when it starts (to rebuild the index of an
 engine that was already running) and whenever it sees a gap in ``seq``; a
 sequence number going backwards means the engine restarted, so the replica's
 index is dropped first.
+
+A gap is only seen when a later batch arrives, and PUB/SUB drops what is sent
+before a subscription reaches the publisher (at start, after a reconnect). So a
+subscriber that has heard nothing for ``idle_replay_s`` also asks for a replay
+from the sequence after its last one: a batch lost that way is applied within
+about that interval even when the engine publishes nothing after it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -111,16 +118,26 @@ class EventSource:
 
 
 class KvEventSubscriber:
-    """A daemon thread applying one replica's event stream to its :class:`ReplicaIndex`."""
+    """A daemon thread applying one replica's event stream to its :class:`ReplicaIndex`.
+
+    ``idle_replay_s``: after that long without a batch, ask the replay socket
+    (when there is one) for anything missed; ``replay_timeout_s`` bounds each ask.
+    """
 
     def __init__(self, source: EventSource, index: ReplicaIndex, name: str = "",
-                 on_batch: Callable[[int], None] | None = None) -> None:
+                 on_batch: Callable[[int], None] | None = None, idle_replay_s: float = 1.0,
+                 replay_timeout_s: float = 2.0) -> None:
+        if idle_replay_s <= 0 or replay_timeout_s <= 0:
+            raise ValueError(f"idle_replay_s and replay_timeout_s must be > 0, got {idle_replay_s}, {replay_timeout_s}")
         self.source = source
         self.index = index
         self.name = name
         self.on_batch = on_batch
+        self.idle_replay_s = idle_replay_s
+        self.replay_timeout_s = replay_timeout_s
         self.last_seq: int | None = None
         self.batches = 0
+        self._replay_failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"prefixgate-kv-events-{name}", daemon=True)
 
@@ -138,9 +155,14 @@ class KvEventSubscriber:
         sub.connect(self.source.endpoint)
         try:
             self._replay(0)
+            heard = time.monotonic()
             while not self._stop.is_set():
                 if not sub.poll(100):
+                    if time.monotonic() - heard >= self.idle_replay_s:
+                        self._replay(0 if self.last_seq is None else self.last_seq + 1)
+                        heard = time.monotonic()
                     continue
+                heard = time.monotonic()
                 frames = sub.recv_multipart()
                 if len(frames) != 3:
                     continue
@@ -185,15 +207,22 @@ class KvEventSubscriber:
         try:
             sock.connect(self.source.replay_endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.replay_timeout_s
             while not self._stop.is_set():
-                if not sock.poll(2000):
-                    log.warning("no replay from %s", self.source.replay_endpoint)
+                if not sock.poll(100):
+                    if time.monotonic() < deadline:
+                        continue
+                    if not self._replay_failing:  # once per outage: idle asks repeat every interval
+                        log.warning("no replay from %s", self.source.replay_endpoint)
+                    self._replay_failing = True
                     return False
+                deadline = time.monotonic() + self.replay_timeout_s
                 frames = sock.recv_multipart()
                 if len(frames) != 3:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == END_SEQ:
+                    self._replay_failing = False
                     return True
                 self._receive(seq, frames[2], replaying=True)
             return False

@@ -77,9 +77,9 @@ def _rebind(config: KVEventsConfig) -> KvEventPublisher:
             time.sleep(0.05)
 
 
-def _subscriber(endpoint: str, replay: str, watch: Watch) -> KvEventSubscriber:
+def _subscriber(endpoint: str, replay: str, watch: Watch, idle_replay_s: float = 1.0) -> KvEventSubscriber:
     sub = KvEventSubscriber(EventSource(endpoint, replay, "kv-events"), ReplicaIndex(has_events=True), "r0",
-                            on_batch=watch.notify)
+                            on_batch=watch.notify, idle_replay_s=idle_replay_s)
     sub.start()
     return sub
 
@@ -124,6 +124,41 @@ def test_events_round_trip_store_evict_clear_and_replay(publisher) -> None:
         assert early.index.unresolved_blocks == 0
     finally:
         early.stop()
+
+
+def test_a_batch_lost_on_the_live_socket_arrives_by_the_idle_replay(publisher) -> None:
+    """PUB/SUB drops what is sent before the subscription lands; nothing later reveals the gap.
+
+    The subscriber's live socket listens to a PUB that never sends: only the
+    replay socket can bring the engine's batches. The first comes with the
+    replay at start; the second, published after it, only with an idle replay.
+    """
+    import zmq
+
+    pub, _, replay = publisher
+    silent = zmq.Context.instance().socket(zmq.PUB)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    manager.block_pool.event_sink = pub.recorder
+    first, second = list(range(9)), list(range(100, 109))
+    _run(manager, "a", first, None)
+    watch = Watch()
+    sub = _subscriber(f"tcp://127.0.0.1:{port}", replay, watch, idle_replay_s=0.2)
+    try:
+        watch.until(lambda: sub.index.hit_blocks(hash_block_chain(first, BS)) == 2)
+        _run(manager, "b", second, None)
+        watch.until(lambda: sub.index.hit_blocks(hash_block_chain(second, BS)) == 2)
+        assert sub.index.num_blocks == 4
+    finally:
+        sub.stop()
+        silent.close(0)
+
+
+def test_subscriber_intervals_must_be_positive() -> None:
+    source = EventSource("tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="idle_replay_s"):
+        KvEventSubscriber(source, ReplicaIndex(has_events=True), idle_replay_s=0)
 
 
 def test_a_restarted_engine_empties_the_index(publisher) -> None:
