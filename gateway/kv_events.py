@@ -22,9 +22,10 @@ GPU (offloading tiers) or another KV-cache group than 0 are ignored.
 Replay: a ROUTER socket answers a request ``[b"", start_seq (8 bytes)]`` with
 every buffered ``[seq, payload]`` from ``start_seq`` on, then ``[-1, b""]``. The
 subscriber asks for a replay from 0 when it starts (to rebuild the index of an
-engine that was already running) and whenever it sees a gap in ``seq``; a
-sequence number going backwards means the engine restarted, so the replica's
-index is dropped first.
+engine that was already running) and, later, from the last sequence it applied
+whenever it sees a gap in ``seq``. A sequence number going backwards, or a replay
+that no longer starts with the batch applied last, means the engine restarted: the
+replica's index is dropped and rebuilt from 0.
 
 A gap is only seen when a later batch arrives, and PUB/SUB drops what is sent
 before a subscription reaches the publisher (at start, after a reconnect). So a
@@ -120,9 +121,18 @@ class EventSource:
 class KvEventSubscriber:
     """A daemon thread applying one replica's event stream to its :class:`ReplicaIndex`.
 
-    ``idle_replay_s``: after that long without a batch, ask the replay socket
-    (when there is one) for anything missed; ``replay_timeout_s`` bounds each ask.
+    Invariant: the index holds exactly the batches ``0 .. last_seq`` of the engine
+    process that sent batch ``last_seq`` (as far as the replay buffer reaches), so
+    a replay asked from ``last_seq`` must start with the very batch applied last: when
+    it does not (another payload, or nothing at all), the engine restarted, the index
+    is dropped and rebuilt from 0.
+
+    ``idle_replay_s``: after that long without a batch, ask the replay socket (when
+    there is one) for anything missed; ``replay_timeout_s`` bounds each wait for it.
     """
+
+    MAX_REPLAY_BATCHES = 100_000
+    """A replay longer than this is cut there (vLLM buffers 10,000 batches by default)."""
 
     def __init__(self, source: EventSource, index: ReplicaIndex, name: str = "",
                  on_batch: Callable[[int], None] | None = None, idle_replay_s: float = 1.0,
@@ -137,6 +147,7 @@ class KvEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.last_seq: int | None = None
         self.batches = 0
+        self._last_payload: bytes | None = None
         self._replay_failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"prefixgate-kv-events-{name}", daemon=True)
@@ -154,56 +165,76 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode("utf-8"))
         sub.connect(self.source.endpoint)
         try:
-            self._replay(0)
+            self._catch_up()
             heard = time.monotonic()
             while not self._stop.is_set():
                 if not sub.poll(100):
                     if time.monotonic() - heard >= self.idle_replay_s:
-                        self._replay(0 if self.last_seq is None else self.last_seq + 1)
+                        self._catch_up()
                         heard = time.monotonic()
                     continue
                 heard = time.monotonic()
                 frames = sub.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                self._receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
+                if len(frames) == 3:
+                    self._receive(int.from_bytes(frames[1], "big", signed=True), frames[2])
         except Exception:  # never let a bad stream kill the gateway; the replica falls back to pending keys
             log.exception("KV-event subscriber %s stopped", self.name)
         finally:
             sub.close(0)
 
-    def _receive(self, seq: int, payload: bytes, replaying: bool = False) -> None:
+    def _receive(self, seq: int, payload: bytes) -> None:
+        """One batch from the live socket."""
         last = self.last_seq
+        if last is not None and seq == last and payload == self._last_payload:
+            return  # already applied (a replay brought it first)
         if last is not None and seq <= last:
-            if replaying or seq == last:
-                return  # already applied
             log.info("KV-event sequence of %s went back (%s -> %s): engine restarted", self.name, last, seq)
-            self.index.forget()
-            self.last_seq = None
-            if seq > 0 and self._replay(0):
-                return
-        elif last is not None and seq > last + 1 and not replaying:
-            self._replay(last + 1)
-            if self.last_seq is not None and seq <= self.last_seq:
-                return
-        elif (last is None and seq > 0 and not replaying and self._replay(0)
-              and self.last_seq is not None and seq <= self.last_seq):
-            return
+            self._forget()
+        expected = 0 if self.last_seq is None else self.last_seq + 1
+        if seq != expected and self._catch_up() and self.last_seq is not None and seq <= self.last_seq:
+            return  # the replay brought it
+        self._apply(seq, payload)
+
+    def _catch_up(self) -> bool:
+        """Apply what the replay socket holds after ``last_seq``, first checking that it
+        still holds the batch applied last; False when there is no replay to be had."""
+        batches = self._fetch(0 if self.last_seq is None else self.last_seq)
+        if batches is None:
+            return False
+        if self.last_seq is not None and (
+                not batches or (batches[0][0] == self.last_seq and batches[0][1] != self._last_payload)):
+            log.info("KV-event replay of %s no longer holds batch %s: engine restarted", self.name, self.last_seq)
+            self._forget()
+            batches = self._fetch(0)
+            if batches is None:
+                return False
+        for seq, payload in batches:
+            if self.last_seq is None or seq > self.last_seq:
+                self._apply(seq, payload)
+        return True
+
+    def _apply(self, seq: int, payload: bytes) -> None:
         try:
             apply_events(self.index, decode_batch(payload))
         except ValueError as exc:
             log.warning("KV events of %s: %s", self.name, exc)
-        self.last_seq = seq
+        self.last_seq, self._last_payload = seq, payload
         self.batches += 1
         if self.on_batch is not None:
             self.on_batch(seq)
 
-    def _replay(self, start: int) -> bool:
-        """Ask the replay socket for batches from ``start``; False when there is none or it failed."""
+    def _forget(self) -> None:
+        self.index.forget()
+        self.last_seq, self._last_payload = None, None
+
+    def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The replay socket's ``[seq, payload]`` batches from ``start`` on, or None when
+        there is no replay socket or it did not answer in time."""
         if self.source.replay_endpoint is None:
-            return False
+            return None
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        batches: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.source.replay_endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -215,7 +246,7 @@ class KvEventSubscriber:
                     if not self._replay_failing:  # once per outage: idle asks repeat every interval
                         log.warning("no replay from %s", self.source.replay_endpoint)
                     self._replay_failing = True
-                    return False
+                    return None
                 deadline = time.monotonic() + self.replay_timeout_s
                 frames = sock.recv_multipart()
                 if len(frames) != 3:
@@ -223,8 +254,9 @@ class KvEventSubscriber:
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == END_SEQ:
                     self._replay_failing = False
-                    return True
-                self._receive(seq, frames[2], replaying=True)
-            return False
+                    return batches
+                if len(batches) < self.MAX_REPLAY_BATCHES:
+                    batches.append((seq, frames[2]))
+            return None
         finally:
             sock.close(0)

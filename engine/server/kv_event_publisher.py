@@ -183,6 +183,11 @@ class KvEventPublisher:
         self._thread.start()
         log.info("publishing KV events on %s (replay %s)", self.config.endpoint, self.config.replay_endpoint)
 
+    @property
+    def published(self) -> int:
+        """How many batches this publisher has sent (the next batch's sequence number)."""
+        return self._seq
+
     def shutdown(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout)

@@ -155,6 +155,61 @@ def test_a_batch_lost_on_the_live_socket_arrives_by_the_idle_replay(publisher) -
         silent.close(0)
 
 
+def _publish(manager: KVCacheManager, pub: KvEventPublisher, rid: str, tokens: list[int]) -> None:
+    """Cache ``tokens`` and wait until the publisher sent them in a batch of their own."""
+    before = pub.published
+    _run(manager, rid, tokens, None)
+    deadline = time.monotonic() + 10
+    while pub.published == before:
+        assert time.monotonic() < deadline, "the publisher never sent the batch"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("new_batches", [1, 6])
+def test_a_restart_seen_only_by_the_replay_rebuilds_the_index(publisher, new_batches: int) -> None:
+    """The engine restarts while the live socket stays silent (every batch lost).
+
+    The idle replay asks for the batch applied last: the new process either has
+    fewer batches (the reply is empty) or another batch under that number (another
+    payload). Either way the old blocks go and the new process's are indexed.
+    """
+    import zmq
+
+    pub, _, replay = publisher
+    silent = zmq.Context.instance().socket(zmq.PUB)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    manager.block_pool.event_sink = pub.recorder
+    watch = Watch()
+    sub = _subscriber(f"tcp://127.0.0.1:{port}", replay, watch, idle_replay_s=0.2)
+    old = [list(range(10 * i, 10 * i + 9)) for i in range(3)]
+    try:
+        for i, tokens in enumerate(old):
+            _publish(manager, pub, f"a{i}", tokens)
+        watch.until(lambda: sub.last_seq == pub.published - 1 and sub.index.num_blocks == 6)
+        old_last = sub.last_seq
+        assert old_last is not None
+        pub.shutdown()
+        fresh = _rebind(pub.config)
+        fresh.start()
+        try:
+            manager2 = KVCacheManager(num_blocks=64, block_size=BS)
+            manager2.block_pool.event_sink = fresh.recorder
+            new = [list(range(1000 + 10 * i, 1000 + 10 * i + 5)) for i in range(new_batches)]
+            for i, tokens in enumerate(new):
+                _publish(manager2, fresh, f"z{i}", tokens)
+            assert (fresh.published - 1 > old_last) == (new_batches > 1)
+            watch.until(lambda: all(sub.index.hit_blocks(hash_block_chain(t, BS)) == 1 for t in new))
+            watch.until(lambda: sub.index.num_blocks == len(new))
+            assert all(sub.index.hit_blocks(hash_block_chain(t, BS)) == 0 for t in old)
+        finally:
+            fresh.shutdown()
+    finally:
+        sub.stop()
+        silent.close(0)
+
+
 def test_subscriber_intervals_must_be_positive() -> None:
     source = EventSource("tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="idle_replay_s"):
