@@ -2,7 +2,8 @@
 
 Each sequence of a flattened batch reads its keys and values straight from
 :class:`~engine.model.kv_storage.KVStorage` through its block table (one
-``index_select`` per layer into a transient buffer; no per-request cache is kept).
+``index_select`` of :meth:`~engine.model.kv_storage.KVStorage.rows` per layer into a
+transient buffer; no per-request cache is kept).
 
 The engine computes a token either in one full pass over the prompt, over K/V
 cached by an earlier request, alone or next to other requests, and greedy outputs
@@ -51,14 +52,15 @@ class SequenceSlice:
     """One sequence's rows in a flattened batch.
 
     Rows ``row .. row + num_tokens - 1`` hold its tokens at positions ``start ..
-    start + num_tokens - 1``; ``block_table`` covers at least ``padded_length(start +
-    num_tokens)`` positions (padded with the storage's pad block).
+    start + num_tokens - 1``; ``kv_rows`` is :meth:`KVStorage.rows` of a block table
+    covering at least ``padded_length(start + num_tokens)`` positions (padded with the
+    storage's pad block).
     """
 
     row: int
     num_tokens: int
     start: int
-    block_table: torch.Tensor
+    kv_rows: torch.Tensor
     masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """Per query chunk start, the keys its rows must not see (filled by the first
     layer, reused by the others: the mask is by position, the same in every layer)."""
@@ -77,14 +79,14 @@ class SequenceSlice:
 class DecodeGroup:
     """Single-token sequences whose block tables have the same length, attended together.
 
-    ``rows[i]`` is the row of sequence ``i`` and ``block_tables`` their tables
-    concatenated (``len(rows) * blocks_per_seq`` ids). ``hidden`` (``[1, n, 1,
+    ``rows[i]`` is the row of sequence ``i`` and ``kv_rows`` :meth:`KVStorage.rows` of
+    their tables concatenated (``len(rows) * blocks_per_seq`` ids). ``hidden`` (``[1, n, 1,
     blocks_per_seq * block_size]``, bool) masks the keys sequence ``i`` must not see:
     those after its token's position (computed once per forward, used by every layer).
     """
 
     rows: torch.Tensor
-    block_tables: torch.Tensor
+    kv_rows: torch.Tensor
     blocks_per_seq: int
     hidden: torch.Tensor
     first_row: int | None = None
@@ -97,14 +99,14 @@ class DecodeGroup:
 
     @classmethod
     def build(cls, rows: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
-              block_size: int) -> DecodeGroup:
+              storage: KVStorage) -> DecodeGroup:
         """The group of sequences at ``rows`` whose tokens sit at ``positions``, with
-        block ``tables`` of equal length."""
-        length = len(tables[0]) * block_size
+        block ``tables`` of equal length in ``storage``."""
+        length = len(tables[0]) * storage.layout.block_size
         hidden = torch.arange(length)[None, :] > torch.tensor(positions, dtype=torch.long)[:, None]
         return cls(
             rows=torch.tensor(rows, dtype=torch.long),
-            block_tables=torch.tensor([b for t in tables for b in t], dtype=torch.long),
+            kv_rows=storage.rows([b for t in tables for b in t]),
             blocks_per_seq=len(tables[0]),
             hidden=hidden[None, :, None, :],
             first_row=rows[0] if list(rows) == list(range(rows[0], rows[0] + len(rows))) else None,
@@ -160,8 +162,8 @@ def _attend_decodes(
     groups = heads // kv_heads
     n = group.rows.numel()
     length = group.blocks_per_seq * storage.layout.block_size
-    keys = torch.index_select(storage.keys[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
-    values = torch.index_select(storage.values[layer], 1, group.block_tables).view(kv_heads, n, length, head_dim)
+    keys, values = storage.gather(layer, group.kv_rows)
+    keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
     if not group.queries:
         group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
     q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
@@ -185,7 +187,7 @@ def _attend_sequence(
     kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
     heads = query.shape[1]
     group = heads // kv_heads
-    keys, values = storage.gather(layer, seq.block_table)
+    keys, values = storage.gather(layer, seq.kv_rows)
     keys_t = keys.transpose(1, 2)  # [kv_heads, head_dim, n]: a view
     q_all = query[seq.row : seq.row + seq.num_tokens] * scale
     for cs in range(0, seq.num_tokens, Q_CHUNK):

@@ -102,12 +102,12 @@ class ModelRunner:
             if n == 1:
                 decodes.setdefault(len(table), []).append((row, seq.start, table))
             else:
-                slices.append(SequenceSlice(row, n, seq.start, torch.tensor(table, dtype=torch.long)))
+                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table)))
             if seq.sample:
                 logit_rows.append(row + n - 1)
         groups = [
             DecodeGroup.build([r for r, _, _ in members], [p for _, p, _ in members],
-                              [t for _, _, t in members], bs)
+                              [t for _, _, t in members], storage)
             for members in decodes.values()
         ]
         num_logits = len(logit_rows)

@@ -117,7 +117,7 @@ def test_kv_storage_writes_slots_and_gathers_block_tables():
     assert slots[:6] == [20, 21, 22, 23, 8, 9]
     storage.write(0, torch.tensor(slots), keys, -keys)
     assert torch.equal(storage.keys[0][:, 2, 1], keys[5])
-    gathered, values = storage.gather(0, torch.tensor([*table[:2], storage.pad_block]))
+    gathered, values = storage.gather(0, storage.rows([*table[:2], storage.pad_block]))
     assert gathered.shape == values.shape == (2, 12, 3)
     assert gathered.is_contiguous() and values.is_contiguous()
     assert torch.equal(gathered[:, :8], keys[:8].transpose(0, 1))
