@@ -15,7 +15,10 @@ The issue's two targets, measured round by round, back to back, in one process:
   forward alone.
 
 Floors (``bare_1``, ``bare_20``) are a stock transformers forward of the same model
-(no cache, ``logits_to_keep=1``). Every kind runs once per round, in a rotating
+(no cache, ``logits_to_keep=1``). The engine is started with ``LLMEngine.launch``
+and the floors and runner forwards run on its loop thread (``LLMEngine.call``), so
+one thread does all of torch's parallel work, as in ``prefixgate engine``: a
+forward on another thread would start a second OpenMP pool and slow both. Every kind runs once per round, in a rotating
 order, after ``--warmup`` rounds. Per kind: median, minimum and maximum wall time,
 and the median process CPU time (all threads; with ``--threads 1`` the least
 load-sensitive figure on a shared machine). The ratios are given from the medians
@@ -141,18 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or args.tokens < 3:
         parser.error("--rounds must be >= 1, --warmup >= 0 and --tokens >= 3")
-    engine = LLMEngine.from_config(
+    engine = LLMEngine.launch(
         EngineConfig(dtype=args.dtype, kv_cache_memory_gib=0.3, seed=0, num_threads=args.threads)
     )
-    engine.start()
+    threads = engine.call(torch.get_num_threads)
     bench = Bench(engine, args.tokens)
     bench._submit(bench.prefix + bench.fresh(SUFFIX), 1)  # computes and caches the 2k prefix
     kinds: dict[str, Callable[[], Sample]] = {
-        "bare_1": lambda: bench.bare(1),
-        "runner_decode": bench.runner_decode,
+        "bare_1": lambda: engine.call(lambda: bench.bare(1)),
+        "runner_decode": lambda: engine.call(bench.runner_decode),
         "engine_decode": bench.engine_decode,
-        "bare_20": lambda: bench.bare(SUFFIX),
-        "runner_warm_2k": bench.runner_warm,
+        "bare_20": lambda: engine.call(lambda: bench.bare(SUFFIX)),
+        "runner_warm_2k": lambda: engine.call(bench.runner_warm),
         "engine_warm_2k": bench.engine_warm,
     }
     names = list(kinds)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [("engine_decode", "bare_1"), ("runner_decode", "bare_1"),
              ("engine_warm_2k", "bare_20"), ("runner_warm_2k", "bare_20")]
     ratios = {f"{a} / {b}": {s: stats[s][a] / stats[s][b] for s in stats} for a, b in pairs}
-    print(f"threads={torch.get_num_threads()} dtype={str(engine.layout.dtype).removeprefix('torch.')} "
+    print(f"threads={threads} dtype={str(engine.layout.dtype).removeprefix('torch.')} "
           f"rounds={args.rounds} load before {load_before[0]:.2f} after {load_after[0]:.2f}")
     print(f"{'kind':>16} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'cpu ms':>8}")
     for k in names:
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:>26} {v['median']:6.2f}x {v['min']:5.2f}x {v['cpu_median']:5.2f}x  <= {target}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "benchmark": "forward_floors", "threads": torch.get_num_threads(),
+        "benchmark": "forward_floors", "threads": threads,
         "dtype": str(engine.layout.dtype).removeprefix("torch."), "rounds": args.rounds,
         "decode_tokens": args.tokens, "load_avg_before": load_before, "load_avg_after": load_after,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

@@ -36,7 +36,8 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,6 +57,7 @@ from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.processor import ImageInput, ImagePromptProcessor
 from engine.multimodal.vlm import VisionEncoder, is_vlm
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -124,6 +126,7 @@ class LLMEngine:
         self._cond = threading.Condition()
         self._inbox: list[EngineRequest] = []
         self._aborts: set[str] = set()
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._active: set[str] = set()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -209,6 +212,22 @@ class LLMEngine:
             if request_id in self._active:
                 self._aborts.add(request_id)
                 self._cond.notify_all()
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the loop thread between two steps and return what it returned
+        (or raise what it raised). For benchmarks and diagnostics whose torch work must
+        share the loop thread's OpenMP pool (see :meth:`launch`). Raises RuntimeError
+        when the loop is not running or stops first; does not change the cache itself
+        (``fn`` may)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future[T] = Future()
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("the engine loop is not running")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
 
     def add_ttft_observer(self, observer: Callable[[float], None]) -> None:
         """``observer(seconds)`` is called from the loop thread at each first token."""
@@ -296,12 +315,19 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                while not (self._stopping or self._inbox or self._aborts or self._calls or self.scheduler.has_work()):
                     self._cond.wait()
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # the caller re-raises it
+                        future.set_exception(exc)
             for req in inbox:
                 self.scheduler.add(req)
             for rid in aborts:
@@ -314,6 +340,10 @@ class LLMEngine:
                     self._finish(req, "error", error="internal engine error")
         for req in [*self.scheduler.all_requests(), *self._inbox]:
             self._finish(req, "abort")
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(RuntimeError("the engine loop stopped"))
 
     def step(self) -> None:
         """Run one scheduler step: one forward over every scheduled token, then sample."""

@@ -65,3 +65,23 @@ def test_a_load_failure_reaches_the_caller_and_leaves_no_thread(tmp_path):
         if thread.ident not in before and thread.name == "prefixgate-engine":
             thread.join(timeout=10)
             assert not thread.is_alive()
+
+
+def test_call_runs_on_the_loop_thread_between_steps(tiny_checkpoint):
+    engine = LLMEngine.launch(EngineConfig(model=str(tiny_checkpoint), kv_cache_memory_gib=0.002, seed=0))
+    try:
+        loop_thread = engine._thread
+        assert loop_thread is not None
+        assert engine.call(threading.current_thread) is loop_thread
+        assert engine.call(lambda: engine.call(lambda: 7)) == 7  # from the loop thread itself: run in place
+        with pytest.raises(KeyError, match="raised on the loop"):
+            engine.call(lambda: {}["raised on the loop"])
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        stream = engine.submit(GenerationRequest("beside", [100 + i for i in range(21)], params))
+        free = engine.call(lambda: engine.kv_cache_manager.num_free_blocks)  # between steps: a consistent view
+        assert 0 <= free <= engine.kv_cache_manager.num_blocks
+        assert stream.result(timeout=120)[-1].error is None  # the loop still serves after the calls
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.call(lambda: 1)
