@@ -9,6 +9,7 @@ rebuilt by the replay socket for a subscriber that starts late.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +78,21 @@ def _rebind(config: KVEventsConfig) -> KvEventPublisher:
             time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _restarted(pub: KvEventPublisher) -> Iterator[tuple[KvEventPublisher, KVCacheManager]]:
+    """Stop ``pub`` and start a new engine process's publisher on the same ports (its
+    sequence starts again at 0), with the new process's empty KV cache manager."""
+    pub.shutdown()
+    fresh = _rebind(pub.config)
+    fresh.start()
+    try:
+        manager = KVCacheManager(num_blocks=64, block_size=BS)
+        manager.block_pool.event_sink = fresh.recorder
+        yield fresh, manager
+    finally:
+        fresh.shutdown()
+
+
 def _subscriber(endpoint: str, replay: str, watch: Watch, idle_replay_s: float = 1.0) -> KvEventSubscriber:
     sub = KvEventSubscriber(EventSource(endpoint, replay, "kv-events"), ReplicaIndex(has_events=True), "r0",
                             on_batch=watch.notify, idle_replay_s=idle_replay_s)
@@ -126,25 +142,32 @@ def test_events_round_trip_store_evict_clear_and_replay(publisher) -> None:
         early.stop()
 
 
-def test_a_batch_lost_on_the_live_socket_arrives_by_the_idle_replay(publisher) -> None:
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A PUB socket that never sends: a subscriber on it only learns by replays."""
+    import zmq
+
+    silent = zmq.Context.instance().socket(zmq.PUB)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    silent.close(0)
+
+
+def test_a_batch_lost_on_the_live_socket_arrives_by_the_idle_replay(publisher, silent_endpoint: str) -> None:
     """PUB/SUB drops what is sent before the subscription lands; nothing later reveals the gap.
 
     The subscriber's live socket listens to a PUB that never sends: only the
     replay socket can bring the engine's batches. The first comes with the
     replay at start; the second, published after it, only with an idle replay.
     """
-    import zmq
-
     pub, _, replay = publisher
-    silent = zmq.Context.instance().socket(zmq.PUB)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     manager.block_pool.event_sink = pub.recorder
     first, second = list(range(9)), list(range(100, 109))
     _run(manager, "a", first, None)
     watch = Watch()
-    sub = _subscriber(f"tcp://127.0.0.1:{port}", replay, watch, idle_replay_s=0.2)
+    sub = _subscriber(silent_endpoint, replay, watch, idle_replay_s=0.2)
     try:
         watch.until(lambda: sub.index.hit_blocks(hash_block_chain(first, BS)) == 2)
         _run(manager, "b", second, None)
@@ -152,7 +175,6 @@ def test_a_batch_lost_on_the_live_socket_arrives_by_the_idle_replay(publisher) -
         assert sub.index.num_blocks == 4
     finally:
         sub.stop()
-        silent.close(0)
 
 
 def _publish(manager: KVCacheManager, pub: KvEventPublisher, rid: str, tokens: list[int]) -> None:
@@ -166,23 +188,19 @@ def _publish(manager: KVCacheManager, pub: KvEventPublisher, rid: str, tokens: l
 
 
 @pytest.mark.parametrize("new_batches", [1, 6])
-def test_a_restart_seen_only_by_the_replay_rebuilds_the_index(publisher, new_batches: int) -> None:
+def test_a_restart_seen_only_by_the_replay_rebuilds_the_index(publisher, silent_endpoint: str,
+                                                              new_batches: int) -> None:
     """The engine restarts while the live socket stays silent (every batch lost).
 
     The idle replay asks for the batch applied last: the new process either has
     fewer batches (the reply is empty) or another batch under that number (another
     payload). Either way the old blocks go and the new process's are indexed.
     """
-    import zmq
-
     pub, _, replay = publisher
-    silent = zmq.Context.instance().socket(zmq.PUB)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
     manager = KVCacheManager(num_blocks=16, block_size=BS)
     manager.block_pool.event_sink = pub.recorder
     watch = Watch()
-    sub = _subscriber(f"tcp://127.0.0.1:{port}", replay, watch, idle_replay_s=0.2)
+    sub = _subscriber(silent_endpoint, replay, watch, idle_replay_s=0.2)
     old = [list(range(10 * i, 10 * i + 9)) for i in range(3)]
     try:
         for i, tokens in enumerate(old):
@@ -190,12 +208,7 @@ def test_a_restart_seen_only_by_the_replay_rebuilds_the_index(publisher, new_bat
         watch.until(lambda: sub.last_seq == pub.published - 1 and sub.index.num_blocks == 6)
         old_last = sub.last_seq
         assert old_last is not None
-        pub.shutdown()
-        fresh = _rebind(pub.config)
-        fresh.start()
-        try:
-            manager2 = KVCacheManager(num_blocks=64, block_size=BS)
-            manager2.block_pool.event_sink = fresh.recorder
+        with _restarted(pub) as (fresh, manager2):
             new = [list(range(1000 + 10 * i, 1000 + 10 * i + 5)) for i in range(new_batches)]
             for i, tokens in enumerate(new):
                 _publish(manager2, fresh, f"z{i}", tokens)
@@ -203,11 +216,8 @@ def test_a_restart_seen_only_by_the_replay_rebuilds_the_index(publisher, new_bat
             watch.until(lambda: all(sub.index.hit_blocks(hash_block_chain(t, BS)) == 1 for t in new))
             watch.until(lambda: sub.index.num_blocks == len(new))
             assert all(sub.index.hit_blocks(hash_block_chain(t, BS)) == 0 for t in old)
-        finally:
-            fresh.shutdown()
     finally:
         sub.stop()
-        silent.close(0)
 
 
 def test_subscriber_intervals_must_be_positive() -> None:
@@ -226,13 +236,7 @@ def test_a_restarted_engine_empties_the_index(publisher) -> None:
         for i in range(3):  # three batches: the old process got to seq >= 3 (its first is the clear)
             _run(manager, f"a{i}", list(range(10 * i, 10 * i + 9)), None)
             watch.until(lambda i=i: sub.index.num_blocks == 2 * (i + 1))
-        pub.shutdown()
-        # A new engine process on the same ports: its sequence starts again at 0.
-        fresh = _rebind(pub.config)
-        fresh.start()
-        try:
-            manager2 = KVCacheManager(num_blocks=64, block_size=BS)
-            manager2.block_pool.event_sink = fresh.recorder
+        with _restarted(pub) as (_, manager2):
             # The subscriber reconnects on its own; the engine keeps publishing meanwhile.
             for i in range(40):
                 tokens = list(range(1000 + 10 * i, 1000 + 10 * i + 5))
@@ -245,8 +249,6 @@ def test_a_restarted_engine_empties_the_index(publisher) -> None:
             else:
                 pytest.fail("the subscriber never saw the restarted engine")
             assert sub.index.hit_blocks(hash_block_chain(list(range(9)), BS)) == 0
-        finally:
-            fresh.shutdown()
     finally:
         sub.stop()
 
