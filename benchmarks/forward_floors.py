@@ -18,8 +18,8 @@ Floors (``bare_1``, ``bare_20``) are a stock transformers forward of the same mo
 (no cache, ``logits_to_keep=1``). The engine is started with ``LLMEngine.launch``
 and the floors and runner forwards run on its loop thread (``LLMEngine.call``), so
 one thread does all of torch's parallel work, as in ``prefixgate engine``: a
-forward on another thread would start a second OpenMP pool and slow both. Every kind runs once per round, in a rotating
-order, after ``--warmup`` rounds. Per kind: median, minimum and maximum wall time,
+forward on another thread would start a second OpenMP pool and slow both. Every
+kind runs once per round, in a rotating order, after ``--warmup`` rounds. Per kind: median, minimum and maximum wall time,
 and the median process CPU time (all threads; with ``--threads 1`` the least
 load-sensitive figure on a shared machine). The ratios are given from the medians
 (the issue's measure, meaningful on a quiet machine), the minimums and the CPU
