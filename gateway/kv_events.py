@@ -30,7 +30,7 @@ replica's index is dropped and rebuilt from 0.
 A gap is only seen when a later batch arrives, and PUB/SUB drops what is sent
 before a subscription reaches the publisher (at start, after a reconnect). So a
 subscriber that has heard nothing for ``idle_replay_s`` also asks for a replay
-from the sequence after its last one: a batch lost that way is applied within
+(from its last sequence, as for a gap): a batch lost that way is applied within
 about that interval even when the engine publishes nothing after it.
 """
 
