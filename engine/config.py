@@ -10,6 +10,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25
+DEFAULT_KV_OFFLOAD_SIZE_GIB = 10.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class EngineConfig:
     over at most ``max_num_batched_tokens`` tokens (decode tokens plus prefill
     chunks) of at most ``max_num_seqs`` running requests. A vision-language model
     keeps image features in an encoder cache of ``encoder_cache_memory_gib`` GiB.
+    With ``kv_offload_dir`` set, full KV blocks are also kept in that directory, at
+    most ``kv_offload_size_gib`` GiB of files (:mod:`engine.model.kv_offload`); it
+    needs prefix caching.
     """
 
     model: str | None = None
@@ -36,6 +40,8 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     encoder_cache_memory_gib: float = DEFAULT_ENCODER_CACHE_MEMORY_GIB
+    kv_offload_dir: str | None = None
+    kv_offload_size_gib: float = DEFAULT_KV_OFFLOAD_SIZE_GIB
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,5 +62,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.kv_offload_size_gib, int | float) or not self.kv_offload_size_gib > 0:
+            raise ValueError(f"kv_offload_size_gib must be > 0, got {self.kv_offload_size_gib!r}")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir must be a non-empty path, got {self.kv_offload_dir!r}")
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs prefix caching (do not combine it with --no-prefix-caching)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")

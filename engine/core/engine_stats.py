@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's counters (tokens for queries and hits)."""
+    """A snapshot of the engine's counters (tokens for queries and hits). The ``disk_*``
+    fields are the disk tier's (``--kv-offload-dir``): blocks loaded (hits), chains
+    that stopped at a block not on disk (misses), bytes, files removed as unusable,
+    writes dropped under back-pressure, loads and their total time, files held."""
 
     prefix_cache_requests: int
     prefix_cache_queries: int
@@ -28,3 +31,13 @@ class EngineStats:
     encoder_cache_misses: int = 0
     encoder_cache_entries: int = 0
     encoder_cache_bytes: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_corrupt: int = 0
+    disk_dropped: int = 0
+    disk_load_count: int = 0
+    disk_load_seconds: float = 0.0
+    disk_blocks: int = 0
+    disk_bytes: int = 0

@@ -48,8 +48,9 @@ from engine.core.engine_stats import EngineStats
 from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput, TokenLogprobs
 from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
@@ -120,6 +121,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        self.offload: KVOffload | None = None
+        if config.kv_offload_dir is not None:
+            pool = self.kv_cache_manager.block_pool
+            self.offload = KVOffload(self.storage, config.kv_offload_dir, config.kv_offload_size_gib,
+                                     model_fingerprint(model), event_sink=lambda: pool.event_sink)
+            self.scheduler.block_loader = self.offload
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
         self._rng = random.Random(config.seed)
@@ -190,6 +197,8 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.offload is not None:
+            self.offload.close()  # queued block writes land before the process exits
 
     def submit(self, request: GenerationRequest) -> OutputStream:
         """Queue a request; raises ValueError when it can never run."""
@@ -254,7 +263,17 @@ class LLMEngine:
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
             **self._encoder_cache_stats(),
+            **self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, Any]:
+        if self.offload is None:
+            return {}
+        d, store = self.offload.stats, self.offload.store
+        return {"disk_hits": d.hits, "disk_misses": d.misses, "disk_bytes_read": d.bytes_read,
+                "disk_bytes_written": d.bytes_written, "disk_corrupt": d.corrupt, "disk_dropped": d.dropped,
+                "disk_load_count": d.load_count, "disk_load_seconds": d.load_seconds,
+                "disk_blocks": len(store), "disk_bytes": store.total_bytes}
 
     def _encoder_cache_stats(self) -> dict[str, int]:
         if self.embedder is None:
@@ -375,6 +394,18 @@ class LLMEngine:
             if s.samples:
                 self._sample(s.request, logits[row])
                 row += 1
+        if self.offload is not None:  # after sampling: first tokens do not wait for the copies
+            self._offload(work, inputs)
+
+    def _offload(self, work: SchedulerOutput, inputs: list[SequenceInput]) -> None:
+        """Hand the blocks this forward filled to the disk tier. Their K/V are in place
+        and no forward has run since, so freed blocks among them still hold them."""
+        assert self.offload is not None
+        try:
+            self.offload.save([(s.request.kv, s.start, s.end, x.block_ids)
+                               for s, x in zip(work.scheduled, inputs, strict=True)])
+        except Exception:  # the disk tier is an optimisation: never fail requests for it
+            logger.exception("KV offload: saving blocks failed")
 
     def _embeds(self, req: EngineRequest, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Image features for the chunk ``[start, end)`` of ``req`` (none past its prompt)."""

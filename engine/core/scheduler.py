@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core.engine_request import EngineRequest
-from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
@@ -108,6 +108,7 @@ class Scheduler:
         self.reserved_blocks = 0
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
+        self.block_loader: BlockLoader | None = None
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission."""
@@ -143,6 +144,7 @@ class Scheduler:
             need = self.reservation(req)
             if self.reserved_blocks + need > self.num_blocks:
                 break
+            self._load_from_lower_tier(req)
             hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
             n = min(req.kv.num_tokens - num_cached, budget)
             if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
@@ -158,6 +160,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(req, num_cached, n))
             budget -= n
         return out
+
+    def _load_from_lower_tier(self, req: EngineRequest) -> None:
+        """Before admission: blocks of ``req``'s chain past its RAM hit that the block
+        loader (the disk tier) holds become cached blocks, so the hit below takes them."""
+        if self.block_loader is not None:
+            self.kv_cache_manager.load_blocks(req.kv, self.block_loader)
 
     def _allocate_or_preempt(self, req: EngineRequest, n: int, out: SchedulerOutput) -> bool:
         """Reserve ``n`` more slots for a running request, preempting the newest running

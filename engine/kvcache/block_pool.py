@@ -11,13 +11,15 @@ from engine.kvcache.kv_cache_block import KVCacheBlock
 
 
 class BlockEventSink(Protocol):
-    """Told what the pool caches, evicts and clears (``engine.server.kv_event_publisher``)."""
+    """Told what the pool caches, evicts and clears (``engine.server.kv_event_publisher``).
+    ``medium`` is ``"GPU"`` for the block pool (vLLM's name for the device tier) and
+    ``"DISK"`` for the disk tier (:mod:`engine.kvcache.disk_store`)."""
 
     def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
                       block_size: int, first_block: int, cache_salt: str | None, lora_id: str | int | None,
-                      mm_items: Sequence[MultiModalItem]) -> None: ...
+                      mm_items: Sequence[MultiModalItem], medium: str = "GPU") -> None: ...
 
-    def block_removed(self, block_hash: BlockHash) -> None: ...
+    def block_removed(self, block_hash: BlockHash, medium: str = "GPU") -> None: ...
 
     def all_cleared(self) -> None: ...
 

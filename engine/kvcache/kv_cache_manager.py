@@ -5,12 +5,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.block_pool import BlockPool
 from engine.kvcache.kv_cache_block import KVCacheBlock
 from engine.kvcache.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+class BlockLoader(Protocol):
+    """A tier below the pool that can fill blocks by hash (``engine.model.kv_offload``)."""
+
+    def available(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` the tier holds."""
+        ...
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """Write the K/V of the leading ``hashes`` into ``block_ids``; returns how many
+        it wrote (a prefix: it stops at the first block it cannot read)."""
+        ...
 
 
 @dataclass
@@ -118,6 +133,33 @@ class KVCacheManager:
             self.count_query(request, num_computed)
         return hits, num_computed
 
+    def load_blocks(self, request: Request, loader: BlockLoader) -> int:
+        """Continue ``request``'s hash chain past its RAM hit in ``loader``'s tier: the
+        blocks it holds (up to the hit rule's limit and the free blocks) are filled and
+        cached, then freed, so they become ordinary cached blocks in the free queue
+        (the tail, most recently used) that :meth:`get_computed_blocks` finds. Changes
+        the cache; takes and drops references on the RAM hit blocks so that popping
+        blocks for the load never evicts them. Returns the number of blocks loaded."""
+        if not self.enable_caching:
+            return 0
+        hits, _ = self.get_computed_blocks(request, count=False)
+        start = len(hits)
+        wanted = request.block_hashes[start:(request.num_tokens - 1) // self.block_size]
+        if not wanted:
+            return 0
+        evictable = sum(1 for b in hits if b.ref_cnt == 0)
+        n = min(loader.available(wanted), self.block_pool.num_free_blocks - evictable)
+        if n <= 0:
+            return 0
+        self.block_pool.touch(hits)
+        blocks = self.block_pool.get_new_blocks(n)
+        loaded = loader.load(wanted[:n], [b.block_id for b in blocks])
+        for block, block_hash in zip(blocks[:loaded], wanted, strict=False):
+            self.block_pool.cache_block(block, block_hash)
+        self._announce(request, start, start + loaded)
+        self.block_pool.free_blocks([*hits, *blocks][::-1])
+        return loaded
+
     def count_query(self, request: Request, num_hit_tokens: int) -> None:
         """Record one prefix-cache query of ``request`` that hit ``num_hit_tokens`` tokens."""
         if not self.enable_caching:
@@ -190,11 +232,15 @@ class KVCacheManager:
         for i in range(first, num_full):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[rid] = max(first, num_full)
+        self._announce(request, first, num_full)
+
+    def _announce(self, request: Request, first: int, end: int) -> None:
+        """Tell the event sink that ``request``'s blocks ``[first, end)`` are now cached."""
         sink = self.block_pool.event_sink
-        if sink is not None and num_full > first:
+        if sink is not None and end > first:
             bs = self.block_size
-            sink.blocks_stored(request.block_hashes[first:num_full], request.block_hashes[first - 1] if first else None,
-                               request.all_token_ids[first * bs:num_full * bs], bs, first, request.cache_salt,
+            sink.blocks_stored(request.block_hashes[first:end], request.block_hashes[first - 1] if first else None,
+                               request.all_token_ids[first * bs:end * bs], bs, first, request.cache_salt,
                                request.lora_id, request.mm_items)
 
     def free(self, request: Request | str) -> None:

@@ -114,6 +114,25 @@ class KVStorage:
         self.keys[layer].view(h, -1, d).index_copy_(1, slots, keys.transpose(0, 1))
         self.values[layer].view(h, -1, d).index_copy_(1, slots, values.transpose(0, 1))
 
+    def copy_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the blocks' keys and values, ``[n, layers, 2, kv_heads, block_size,
+        head_dim]``, contiguous: block ``i`` is ``out[i]``, the disk tier's payload layout
+        (:mod:`engine.model.kv_offload`). Reads the cache, changes nothing."""
+        lay = self.layout
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        out = torch.empty((len(ids), lay.num_layers, 2, lay.kv_heads, lay.block_size, lay.head_dim), dtype=lay.dtype)
+        for layer in range(lay.num_layers):
+            out[:, layer, 0].copy_(self.keys[layer].index_select(1, ids).transpose(0, 1))
+            out[:, layer, 1].copy_(self.values[layer].index_select(1, ids).transpose(0, 1))
+        return out
+
+    def load_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write ``blocks`` shaped as :meth:`copy_blocks` returns into ``block_ids``."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        for layer in range(self.layout.num_layers):
+            self.keys[layer].index_copy_(1, ids, blocks[:, layer, 0].transpose(0, 1))
+            self.values[layer].index_copy_(1, ids, blocks[:, layer, 1].transpose(0, 1))
+
     def rows(self, block_table: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """A block table's blocks as row indices of the flat ``[kv_heads * blocks,
         block_size, head_dim]`` view of a layer, head-major: what :meth:`gather` takes.

@@ -18,11 +18,13 @@ event is a map tagged by ``"type"``:
   hash as an unsigned big-endian int, vLLM's default representation),
   ``parent_block_hash`` (same form, or nil for a chain's first block),
   ``token_ids`` (all the blocks' tokens), ``block_size``, ``lora_id``, ``medium``
-  (``"GPU"``, the device tier, as vLLM names it), ``lora_name``, ``extra_keys``
+  (``"GPU"``, the block pool, as vLLM names the device tier; ``"DISK"`` for a block
+  written to ``--kv-offload-dir``, and at start for every block file found there),
+  ``lora_name``, ``extra_keys``
   (one entry per block: nil, or a list of the LoRA id, the multimodal
   identifiers and, on block 0, the cache salt, in vLLM's order), ``group_idx`` 0;
 * ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx``: one per evicted
-  block (a hash cached in two blocks is removed twice);
+  block (a hash cached in two blocks is removed twice) or removed block file;
 * ``AllBlocksCleared``: the prefix cache was reset, and the first event of every
   publisher (a restarted engine starts empty).
 
@@ -123,7 +125,7 @@ class KvEventRecorder:
 
     def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None, token_ids: Sequence[int],
                       block_size: int, first_block: int, cache_salt: str | None, lora_id: str | int | None,
-                      mm_items: Sequence[MultiModalItem]) -> None:
+                      mm_items: Sequence[MultiModalItem], medium: str = MEDIUM) -> None:
         if not hashes:
             return
         self._events.put({
@@ -133,15 +135,15 @@ class KvEventRecorder:
             "token_ids": list(token_ids),
             "block_size": block_size,
             "lora_id": lora_id if isinstance(lora_id, int) else None,
-            "medium": MEDIUM,
+            "medium": medium,
             "lora_name": lora_id if isinstance(lora_id, str) else None,
             "extra_keys": _extra_keys(first_block, len(hashes), block_size, cache_salt, lora_id, mm_items),
             "group_idx": 0,
         })
 
-    def block_removed(self, block_hash: BlockHash) -> None:
+    def block_removed(self, block_hash: BlockHash, medium: str = MEDIUM) -> None:
         self._events.put({"type": "BlockRemoved", "block_hashes": [external_hash(block_hash)],
-                          "medium": MEDIUM, "group_idx": 0})
+                          "medium": medium, "group_idx": 0})
 
     def all_cleared(self) -> None:
         self._events.put({"type": "AllBlocksCleared"})
