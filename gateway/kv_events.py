@@ -16,8 +16,12 @@ declaration order:
 
 Block hashes are opaque (an int of the digest's last 8 bytes by default in vLLM,
 bytes otherwise): the gateway rehashes the token ids itself
-(:class:`gateway.block_index.ReplicaIndex`). Events for another medium than the
-GPU (offloading tiers) or another KV-cache group than 0 are ignored.
+(:class:`gateway.block_index.ReplicaIndex`). The ``medium`` may be ``GPU`` (the
+device tier) or ``DISK`` (prefixgate's ``--kv-offload-dir``: the replica loads such a
+block instead of recomputing it, so it counts as held); the index counts stored
+copies, so a block evicted from one medium stays known while the other holds it.
+Events for another medium (vLLM's CPU offloading) or another KV-cache group than 0
+are ignored.
 
 Replay: a ROUTER socket answers a request ``[b"", start_seq (8 bytes)]`` with
 every buffered ``[seq, payload]`` from ``start_seq`` on, then ``[-1, b""]``. The
@@ -54,6 +58,7 @@ END_SEQ = -1
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                  "lora_name", "extra_keys", "group_idx")
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+ROUTED_MEDIA = (None, "GPU", "DISK")
 
 
 def _fields(event: Any) -> tuple[str, dict[str, Any]] | None:
@@ -86,7 +91,7 @@ def decode_batch(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
 
 def apply_events(index: ReplicaIndex, events: list[tuple[str, dict[str, Any]]]) -> None:
     for kind, fields in events:
-        if fields.get("medium") not in (None, "GPU") or fields.get("group_idx") not in (None, 0):
+        if fields.get("medium") not in ROUTED_MEDIA or fields.get("group_idx") not in (None, 0):
             continue
         hashes = fields.get("block_hashes")
         if kind == "AllBlocksCleared":

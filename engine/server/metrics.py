@@ -19,6 +19,12 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_encoder_cache_hits_total`` / ``..._misses_total``: image
   feature lookups in the encoder cache (a miss runs the vision tower), and
   ``..._entries`` / ``..._bytes``: what it holds (vision-language models only).
+* with ``--kv-offload-dir``: ``prefixgate_engine_disk_cache_hits_blocks_total`` /
+  ``..._misses_total`` (blocks loaded from disk; hash chains that stopped at a
+  block not on disk), ``..._read_bytes_total`` / ``..._written_bytes_total``,
+  ``..._corrupt_files_total`` (unusable files removed), ``..._dropped_writes_total``,
+  ``..._load_seconds`` (summary: one observation per load), ``..._blocks`` /
+  ``..._bytes`` (files held).
 
 The same figures under vLLM's names (labels ``model_name`` and ``engine="0"``, as
 vLLM v1 exposes them), so dashboards built for vLLM work unchanged:
@@ -34,7 +40,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -77,7 +88,27 @@ class _EngineCollector(Collector):
                          stats.encoder_cache_entries, labels)
             yield _gauge("encoder_cache_bytes", "Bytes of image features in the encoder cache.",
                          stats.encoder_cache_bytes, labels)
+        if getattr(self.engine, "offload", None) is not None:
+            yield from self._disk(stats, labels)
         yield from self._vllm_named(stats)
+
+    def _disk(self, stats: Any, labels: list[str]) -> Iterator[Metric]:
+        name = "disk_cache"
+        yield _counter(f"{name}_hits_blocks", "KV blocks loaded from the disk tier.", stats.disk_hits, labels)
+        yield _counter(f"{name}_misses", "Prefix lookups whose hash chain stopped at a block not on disk.",
+                       stats.disk_misses, labels)
+        yield _counter(f"{name}_read_bytes", "Bytes read from the disk tier.", stats.disk_bytes_read, labels)
+        yield _counter(f"{name}_written_bytes", "Bytes written to the disk tier.", stats.disk_bytes_written, labels)
+        yield _counter(f"{name}_corrupt_files", "Corrupt, truncated or foreign block files removed.",
+                       stats.disk_corrupt, labels)
+        yield _counter(f"{name}_dropped_writes", "Blocks not written because the write queue was full.",
+                       stats.disk_dropped, labels)
+        load = SummaryMetricFamily(f"{PREFIX}_{name}_load_seconds", "Time to load blocks from the disk tier.",
+                                   labels=["model_name"])
+        load.add_metric(labels, stats.disk_load_count, stats.disk_load_seconds)
+        yield load
+        yield _gauge(f"{name}_blocks", "Block files in the disk tier.", stats.disk_blocks, labels)
+        yield _gauge(f"{name}_bytes", "Bytes of block files in the disk tier.", stats.disk_bytes, labels)
 
     def _vllm_named(self, stats: Any) -> Iterator[Metric]:
         labels = [self.model_name, VLLM_ENGINE_INDEX]

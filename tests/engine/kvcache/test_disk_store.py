@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_a_damaged_file_is_never_loaded_and_is_removed(store, damage):
     put(store, 1)
     store.flush()
     path = file_of(store, 1)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if damage == "flip_payload":
         data[-5] ^= 0xFF
     elif damage == "truncate":
@@ -75,7 +76,7 @@ def test_a_damaged_file_is_never_loaded_and_is_removed(store, damage):
         data[12] ^= 0xFF  # inside the fingerprint
     else:
         data = bytearray()
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     assert store.read(h(1)) is None
     assert not os.path.exists(path) and not store.contains(h(1))
     assert store.stats.corrupt == 1
@@ -154,7 +155,7 @@ def test_restart_indexes_names_and_drops_partial_writes(tmp_path):
         put(a, i)
     a.flush()
     a.close()
-    open(os.path.join(tmp_path / "kv", ".tmp-" + h(9).hex() + "-1"), "wb").write(b"partial")
+    (tmp_path / "kv" / (".tmp-" + h(9).hex() + "-1")).write_bytes(b"partial")
     b = make(tmp_path / "kv")
     try:
         assert len(b) == 3 and all(b.contains(h(i)) for i in range(3))
