@@ -18,6 +18,7 @@ from engine.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_ENCODER_CACHE_MEMORY_GIB,
     DEFAULT_KV_CACHE_MEMORY_GIB,
+    DEFAULT_KV_OFFLOAD_SIZE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
@@ -43,6 +44,9 @@ example:
 
 Without --model the bundled SmolLM2-135M-Instruct is served (converted once from its
 GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is used.
+Keep KV blocks on disk too, so a restarted engine starts warm and a working set
+larger than --kv-cache-memory is loaded instead of recomputed:
+  prefixgate engine --kv-offload-dir ~/.cache/prefixgate/kv --kv-offload-size 20
 A vision-language checkpoint (LLaVA, Idefics3/SmolVLM) accepts image_url parts:
   prefixgate engine --model ./my-llava --encoder-cache-memory 0.5
 With PREFIXGATE_ENGINE_API_KEY set (or --api-key), clients must send
@@ -76,6 +80,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--kv-cache-memory", type=_positive_float, default=DEFAULT_KV_CACHE_MEMORY_GIB,
                         metavar="GIB",
                         help=f"memory for the KV cache in GiB (default: {DEFAULT_KV_CACHE_MEMORY_GIB})")
+    parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="also keep full KV blocks as files in DIR (created 0700; one engine per DIR), "
+                        "loaded on a RAM miss and after a restart (default: off)")
+    parser.add_argument("--kv-offload-size", type=_positive_float, default=DEFAULT_KV_OFFLOAD_SIZE_GIB,
+                        metavar="GIB",
+                        help="bound on the files in --kv-offload-dir, least recently used removed first "
+                        f"(default: {DEFAULT_KV_OFFLOAD_SIZE_GIB:g})")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights and KV dtype; auto = bfloat16 where the CPU supports it "
                         "natively, else float32 (default: auto)")
@@ -134,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             encoder_cache_memory_gib=args.encoder_cache_memory, num_threads=args.threads,
+            kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
         )
         _check_model(args.model)
         events_config = None
@@ -171,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         publisher = KvEventPublisher(events_config)
         kv.block_pool.event_sink = publisher.recorder
         publisher.start()
+        if engine.offload is not None:
+            engine.offload.announce_existing()  # the router learns what this replica holds on disk
     try:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
                    media=media, log_level=args.log_level)

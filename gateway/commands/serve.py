@@ -11,6 +11,7 @@ from gateway.replica_spec import add_routing_options
 EPILOG = """examples:
   prefixgate serve --port 8000 --engine-port 8001
   prefixgate serve --replicas 3 --engine-arg=--kv-cache-memory=0.05   # engines on 8001-8003
+  prefixgate serve --kv-offload-dir ~/.cache/prefixgate/kv --kv-offload-size 20   # warm after a restart
   # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
 """
 
@@ -35,6 +36,11 @@ def add_parser(subparsers: Any) -> None:
         "--engine-arg", action="append", default=[], metavar="ARG",
         help="extra argument for 'prefixgate engine' (repeatable), e.g. --engine-arg=--dtype=float32",
     )
+    parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                        help="the engines keep full KV blocks as files in DIR too (replica i of several "
+                        "in DIR/replica-i), so they start warm after a restart (default: off)")
+    parser.add_argument("--kv-offload-size", type=float, default=None, metavar="GIB",
+                        help="bound on each engine's files in --kv-offload-dir (default: the engine's)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="engines to start on consecutive ports from --engine-port, routed by "
                         "their KV events (default 1; see docs/routing.md)")
@@ -44,6 +50,21 @@ def add_parser(subparsers: Any) -> None:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _offload_args(args: argparse.Namespace, replica: int) -> list[str]:
+    """``prefixgate engine`` flags for replica ``replica``'s disk tier: one directory per engine."""
+    if args.kv_offload_dir is None:
+        if args.kv_offload_size is not None:
+            raise ValueError("--kv-offload-size needs --kv-offload-dir")
+        return []
+    import os
+
+    path = args.kv_offload_dir if args.replicas == 1 else os.path.join(args.kv_offload_dir, f"replica-{replica}")
+    if args.replicas > 1:
+        os.makedirs(args.kv_offload_dir, mode=0o700, exist_ok=True)
+    size = [] if args.kv_offload_size is None else [f"--kv-offload-size={args.kv_offload_size}"]
+    return [f"--kv-offload-dir={path}", *size]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         # Both ports before anything starts: a port taken by another engine would
         # otherwise answer our health check, and the gateway would die later.
         replicas = local_replicas(args.replicas, args.engine_port, events_dir)
-        engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra], api_key=api_key)
+        engines = [EngineProcess(args.engine_port + i, [*args.engine_arg, *extra, *_offload_args(args, i)],
+                                 api_key=api_key)
                    for i, (extra, _) in enumerate(replicas)]
         if args.port in range(args.engine_port, args.engine_port + len(engines)):
             raise ValueError(f"--port {args.port} is one of the engines' ports: give them different ports")
