@@ -194,3 +194,50 @@ def test_disk_metrics_on_the_metrics_endpoint(make):
     assert found["prefixgate_engine_disk_cache_read_bytes_total"] > 0
     assert found["prefixgate_engine_disk_cache_load_seconds_count"] == 1
     assert found["prefixgate_engine_disk_cache_blocks"] == 4  # 60 + 7 computed tokens
+
+
+KILLED_CHILD = """
+import os, signal, sys, torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from engine.config import EngineConfig
+from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.model_store import ensure_converted_model
+
+tok = AutoTokenizer.from_pretrained(str(ensure_converted_model()), local_files_only=True)
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+model = LlamaForCausalLM(config).to(torch.float32)
+model.config._attn_implementation = "sdpa"
+model.eval()
+engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gib=0.002, served_model_name="tiny-llama", seed=0,
+                                            kv_offload_dir=sys.argv[1]))
+engine.start()
+prompt = [int(t) for t in sys.argv[2].split(",")]
+engine.submit(GenerationRequest("k", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))).result()
+os.kill(os.getpid(), signal.SIGKILL)  # queued block writes may be cut anywhere
+"""
+
+
+def test_after_sigkill_every_block_written_before_the_kill_is_served(make, make_tiny_engine, offload_dir):
+    import subprocess
+    import sys
+
+    from engine.kvcache.block_hash import hash_block_chain
+
+    prompt = prompt_of(300, offset=19)
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, offload_dir, ",".join(map(str, prompt))],
+                           env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, timeout=300)
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    chain = hash_block_chain(prompt, BS)
+    on_disk = {bytes.fromhex(n[:64]) for n in block_files(offload_dir)}
+    written = next((i for i, h in enumerate(chain) if h not in on_disk), len(chain))
+    assert on_disk, "the child wrote no block before it was killed"
+    engine = make()
+    plain = make_tiny_engine(enable_prefix_caching=False)
+    _, tokens, cached = run(engine, prompt)
+    assert tokens == run(plain, prompt)[1]
+    assert cached == min(written, (len(prompt) - 1) // BS) * BS
+    assert engine.stats().disk_corrupt == 0
+    assert not any(n.startswith(".tmp-") for n in os.listdir(offload_dir))
