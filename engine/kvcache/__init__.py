@@ -4,7 +4,8 @@ Nothing here touches tensors (a test imports this package and checks that torch
 was not imported): :mod:`~engine.kvcache.block_hash` names blocks by SHA256 hash
 chains, :mod:`~engine.kvcache.block_pool` owns every block, its free queue and the
 hash map, :mod:`~engine.kvcache.kv_cache_manager` hands blocks to requests, and
-:mod:`~engine.kvcache.request` is a request as the manager sees it.
+:mod:`~engine.kvcache.request` is a request as the manager sees it, and
+:mod:`~engine.kvcache.disk_store` keeps full blocks as files (the disk tier).
 """
 
 from engine.kvcache.block_hash import (
