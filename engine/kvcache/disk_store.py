@@ -104,7 +104,7 @@ class DiskKVStore:
             raise ValueError(f"kv offload size must be > 0 bytes, got {max_bytes!r}")
         if len(fp) != 32 or payload_bytes <= 0:
             raise ValueError("fingerprint must be 32 bytes and payload_bytes positive")
-        self.path = os.path.abspath(path)
+        self.path = os.path.abspath(os.path.expanduser(path))
         self.max_bytes = max_bytes
         self.fp = fp
         self.payload_bytes = payload_bytes
