@@ -54,11 +54,13 @@ class LintProcess:
         budget_s: float,
         raw: bytes | None = None,
         edits: bool = True,
+        pixels: int | None = None,
     ) -> list[dict[str, Any]] | None:
         """Warning dicts, or None when the budget ran out (the process is then killed).
 
         ``raw``, the client's JSON bytes of ``original`` (its ``cache_salt`` is dropped
-        there), is sent instead of re-encoding ``original``.
+        there), is sent instead of re-encoding ``original``. ``pixels`` bounds the
+        image pixels the child decodes (:func:`linter.image_parts.pixel_budget`; None: no bound).
         """
         deadline = time.monotonic() + budget_s
         if not self._lock.acquire(timeout=budget_s):
@@ -71,7 +73,8 @@ class LintProcess:
             raw = raw if raw is not None else orjson.dumps(original)
             remaining = deadline - time.monotonic()
             conn.send_bytes(orjson.dumps(
-                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits]
+                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits,
+                 pixels]
             ))
             conn.send_bytes(raw)
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -137,7 +140,10 @@ class _Interrupted(BaseException):
 
 
 def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child process
+    import contextlib
+
     from gateway.prefix_warner import bound_warnings, lint
+    from linter.image_parts import PixelBudget, pixel_budget
 
     checking = False
 
@@ -156,14 +162,15 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             return
         reply = b"null"
         try:
-            previous, canonical, max_warnings, max_bytes, budget_s, edits = orjson.loads(header)
+            previous, canonical, max_warnings, max_bytes, budget_s, edits, pixels = orjson.loads(header)
             checking = True
             signal.setitimer(signal.ITIMER_REAL, max(budget_s, 0.001))
             original = orjson.loads(raw)
             original.pop("cache_salt", None)
             if canonical is None:
                 canonical = original
-            warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
+            with pixel_budget(PixelBudget(pixels)) if pixels is not None else contextlib.nullcontext():
+                warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
             reply = orjson.dumps([warning.to_dict() for warning in warnings])
         except _Interrupted:
             pass
