@@ -32,6 +32,8 @@ from typing import Any
 
 import orjson
 
+from linter.image_parts import PixelBudget
+
 log = logging.getLogger(__name__)
 
 
@@ -54,13 +56,15 @@ class LintProcess:
         budget_s: float,
         raw: bytes | None = None,
         edits: bool = True,
-        pixels: int | None = None,
+        pixels: PixelBudget | None = None,
     ) -> list[dict[str, Any]] | None:
         """Warning dicts, or None when the budget ran out (the process is then killed).
 
         ``raw``, the client's JSON bytes of ``original`` (its ``cache_salt`` is dropped
         there), is sent instead of re-encoding ``original``. ``pixels`` bounds the
-        image pixels the child decodes (:func:`linter.image_parts.pixel_budget`; None: no bound).
+        image pixels the child decodes (:func:`linter.image_parts.pixel_budget`; None: no
+        bound); its ``used`` grows by what the child decoded (by all that was left when
+        the answer does not come back).
         """
         deadline = time.monotonic() + budget_s
         if not self._lock.acquire(timeout=budget_s):
@@ -74,18 +78,26 @@ class LintProcess:
             remaining = deadline - time.monotonic()
             conn.send_bytes(orjson.dumps(
                 [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits,
-                 pixels]
+                 None if pixels is None else pixels.left]
             ))
             conn.send_bytes(raw)
             if not conn.poll(max(0.0, deadline - time.monotonic())):
+                if pixels is not None:
+                    pixels.used = pixels.limit
                 self.cut_short += 1
                 self._owed += 1  # the child's own timer stops it; its null is read next time
                 log.warning("prefix check of a %d-byte body exceeded its %.1f s budget; stopped it",
                             len(raw), budget_s)
                 return None
-            found: list[dict[str, Any]] | None = orjson.loads(conn.recv_bytes())
-            if found is None:
+            reply = orjson.loads(conn.recv_bytes())
+            if reply is None:
                 self.cut_short += 1
+                if pixels is not None:
+                    pixels.used = pixels.limit
+                return None
+            found: list[dict[str, Any]] = reply[0]
+            if pixels is not None:
+                pixels.used += reply[1]
             return found
         except (OSError, EOFError, TypeError, orjson.JSONDecodeError):
             log.exception("prefix check process failed; continuing without its warnings")
@@ -143,7 +155,7 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
     import contextlib
 
     from gateway.prefix_warner import bound_warnings, lint
-    from linter.image_parts import PixelBudget, pixel_budget
+    from linter.image_parts import pixel_budget
 
     checking = False
 
@@ -169,9 +181,10 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             original.pop("cache_salt", None)
             if canonical is None:
                 canonical = original
-            with pixel_budget(PixelBudget(pixels)) if pixels is not None else contextlib.nullcontext():
+            budget = PixelBudget(pixels if pixels is not None else 0)
+            with pixel_budget(budget) if pixels is not None else contextlib.nullcontext():
                 warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
-            reply = orjson.dumps([warning.to_dict() for warning in warnings])
+            reply = orjson.dumps([[warning.to_dict() for warning in warnings], budget.used])
         except _Interrupted:
             pass
         finally:

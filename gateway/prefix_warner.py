@@ -25,10 +25,13 @@ which is how long a check on a thread would hold the GIL, and so the loop, anywa
 and the two thread hand-offs it saves cost more than a typical check (~20 us).
 Only text does: a body with a ``data:`` URL, or whose conversation's previous turn
 has one or is larger than ``loop_max_bytes`` (:func:`light`, a walk bounded by that
-size), is checked on a thread, and on the loop no image is decoded at all (a pixel
-budget of 0): decoding and hashing nine 2048x2048 images took half a second.
-Images are decoded within the tenant's :class:`~gateway.pixel_rate.PixelRate`
-(pixels per request and per second, :mod:`linter.image_parts`), each image once.
+size), leaves the loop, and on the loop no image is decoded at all (a pixel budget
+of 0). A check that names images (a ``data:`` URL in either turn) runs in the helper
+process whatever its size: decoding and hashing nine 2048x2048 images took half a
+second, and in a thread the GIL would still stall the loop for milliseconds at a
+time. There images are decoded within the tenant's
+:class:`~gateway.pixel_rate.PixelRate` (pixels per request and per second; past it
+an image is named by a hash of its bytes, :mod:`linter.image_parts`), each once.
 Up to ``inline_max_bytes`` it runs on a small thread pool (the loop gets the GIL
 back every switch interval). Larger bodies are checked in a helper process
 instead (the linter's work grows faster than the body; in a thread it would hold
@@ -47,7 +50,9 @@ compared whichever worker they reach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -329,35 +334,29 @@ class PrefixWarner:
     ) -> list[PrefixWarning]:
         """The linter's bounded findings, given the conversation's ``previous`` turn
         (and ``own``, the per-request rules' findings, when already computed), decoding
-        at most ``pixels`` of images (None: no bound, the synchronous :meth:`check`)."""
-        if pixels is None:
-            return self._bounded_findings(original, previous, canonical, keys, body_size, raw, own, None)
-        with pixel_budget(pixels):
-            return self._bounded_findings(original, previous, canonical, keys, body_size, raw, own, pixels)
+        at most ``pixels`` of images (None: no bound, the synchronous :meth:`check`).
 
-    def _bounded_findings(
-        self, original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
-        keys: ConversationKeys | None, body_size: int, raw: bytes | None,
-        own: list[PrefixWarning] | None, pixels: PixelBudget | None,
-    ) -> list[PrefixWarning]:
+        With ``pixels``, a check that names images runs in the helper process, as large
+        bodies do: decoding and hashing pixels in a thread would hold the GIL, and so
+        the event loop, for milliseconds at a time."""
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
         # A prompt_cache_key may name many conversations: only truncations and static changes count.
         edits = keys is None or not keys.shared
-        if body_size > self.inline_max_bytes:
+        images = pixels is not None and any(
+            not light(body, sys.maxsize) for body in (original, canonical, previous) if body is not None)
+        if body_size > self.inline_max_bytes or images:
             if self._lint_process is None:
                 self._lint_process = LintProcess(self.max_warnings, self.max_warning_bytes)
-            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits,
-                                             None if pixels is None else pixels.left)
-            if pixels is not None:
-                pixels.used = pixels.limit  # the helper's own count does not come back: all of it
+            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits, pixels)
             if found is None:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
                                   self.max_warning_bytes)
-        warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
-            previous, canonical, edits)
+        with pixel_budget(pixels) if pixels is not None else contextlib.nullcontext():
+            warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
+                previous, canonical, edits)
         return bound_warnings(warnings, self.max_warnings, self.max_warning_bytes)
 
     def start(

@@ -140,8 +140,12 @@ def _identify(url: object, part: Mapping[str, Any]) -> tuple[str, bool, tuple[in
     budget = _budget.get()
     allowed = MAX_DECODED_PIXELS if budget is None else min(MAX_DECODED_PIXELS, budget.left)
     try:
-        identity = image_identity(data_url_bytes(url)[1], allowed)
-        result = (identity.value, identity.exact, identity.size)
+        data = data_url_bytes(url)[1]
+        if allowed:
+            identity = image_identity(data, allowed)
+            result = (identity.value, identity.exact, identity.size)
+        else:  # nothing left to decode: not even the header is parsed
+            result = ("bytes:" + hashlib.sha256(data).hexdigest(), False, None)
     except ValueError:
         result = ("invalid:" + key.hex(), False, None)
     if budget is not None and result[2] is not None:

@@ -253,46 +253,42 @@ def test_pixel_rate_refills_per_second_and_caps_each_request():
     assert rate.allowance("a") == 50  # refilled to one second's worth (300), not 60 seconds'
 
 
-def test_images_are_decoded_off_the_loop_within_the_tenants_pixel_rate(monkeypatch):
-    """Nine 2048x2048 images in an 8 KiB body: never decoded on the event loop, at most
-    the per-request and per-second pixels of the tenant, and the two turns still
-    compared correctly (the same images: no PS207), however many were decoded."""
+def test_images_are_decoded_in_the_helper_within_the_tenants_pixel_rate(monkeypatch):
+    """Nine 2048x2048 images in an 8 KiB body: never decoded in the gateway's process (on
+    the event loop or a thread, the GIL would stall every request), at most the tenant's
+    pixels per request and per second, each image once, and the turns still compared
+    correctly (the same images: no PS207), however many were decoded."""
     import linter.image_parts as image_parts
     from gateway.pixel_rate import PixelRate
 
     turns = nine_image_turns(4)
     size = len(orjson.dumps(turns[-1]))
     assert size <= 8 * 1024
-    decoded: list[tuple[bool, bool]] = []  # (on the event loop, decoded exactly)
 
-    def watched(data: bytes, max_pixels: int):
-        identity = real(data, max_pixels)
-        decoded.append((asyncio._get_running_loop() is not None, identity.exact))
-        return identity
+    def not_here(data: bytes, max_pixels: int):
+        raise AssertionError("an image was decoded in the gateway's process")
 
-    real = image_parts.image_identity
-    monkeypatch.setattr(image_parts, "image_identity", watched)
-    monkeypatch.setattr(image_parts, "_memo", type(image_parts._memo)())
+    monkeypatch.setattr(image_parts, "image_identity", not_here)
     now = [0.0]
     one = 2048 * 2048
-    warner = PrefixWarner(pixels=PixelRate(per_request=2 * one, per_second=3 * one, clock=lambda: now[0]))
+    rate = PixelRate(per_request=2 * one, per_second=3 * one, clock=lambda: now[0])
+    charged: list[int] = []
+    real_charge = rate.charge
+    monkeypatch.setattr(rate, "charge", lambda tenant, pixels: (charged.append(pixels), real_charge(tenant, pixels)))
+    warner = PrefixWarner(pixels=rate, budget_s=60.0)
 
-    async def go() -> list[int]:
-        exact_per_request = []
+    async def go() -> None:
         for n, body in enumerate(turns):
             if n == 3:
                 now[0] += 10.0
-            decoded.clear()
             found = await warner.check_within_budget("noisy", body, body, body_size=size, conversation_header="c")
-            assert not [w for w in found if w.code.startswith("PS2")], found
-            assert not any(on_loop for on_loop, _ in decoded)
-            exact_per_request.append(sum(exact for _, exact in decoded))
-        return exact_per_request
+            assert not [w for w in found if w.code.startswith("PS2") or w.code == BUDGET_CODE], found
 
     try:
-        exact = asyncio.run(go())
+        asyncio.run(go())
     finally:
         warner.close()
-    # The first turn names no image; the second decodes its cap (2), the third what is left
-    # of the tenant's second (3 - 2), the fourth, a second later, its cap again (each image once).
-    assert exact == [0, 2, 1, 2]
+    # The first turn names no image; the second decodes its cap (2 images), the third what
+    # is left of the tenant's second (3 - 2), the fourth, a second later, its cap again:
+    # the helper remembers the images it decoded, so each is decoded once.
+    assert charged == [0, 2 * one, 1 * one, 2 * one]
