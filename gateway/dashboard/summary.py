@@ -100,8 +100,8 @@ def summarize(engine: Engine, config: GatewayConfig, hours: int, now: datetime |
             "hour": hour, "requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens, "hit_rate": stats.hit_rate,
         })
-    for _, _, entry in slowest:
-        entry["tenant"] = label[entry["tenant"]]
+    for _, _, slow in slowest:
+        slow["tenant"] = label[slow["tenant"]]
     return {
         "generated": now.strftime("%Y-%m-%d %H:%M UTC"),
         "since": since.strftime("%Y-%m-%dT%H:00"),
