@@ -551,6 +551,8 @@ def main() -> int:
                         "image_stall")
     parser.add_argument("--image-seconds", type=float, default=15.0,
                         help="how long the image-stall case's noisy tenant sends (default 15)")
+    parser.add_argument("--image-text-too", action="store_true",
+                        help="image_stall: also measure a noisy tenant sending text bodies of the same size")
     args = parser.parse_args()
     if args.quick:
         args.cases, args.fault_requests = 200, 200
@@ -561,7 +563,7 @@ def main() -> int:
         if args.only == "image_stall":  # self-contained: no engine
             try:
                 results["image_stall"] = phase_image_stall(processes, args.image_seconds)
-                if os.environ.get("CAMPAIGN_TEXT_TOO"):
+                if args.image_text_too:
                     results["image_stall_text"] = phase_image_stall(processes, args.image_seconds, text=True)
                 results["seconds"] = {}
             finally:
@@ -649,9 +651,11 @@ def print_table(r: dict[str, Any]) -> int:
             s = r[f"signal_{sig}"]
             rows.append((f"{sig} under load: answered rows lost", f"{s['lost']} of {s['answered_200']} "
                          f"(exit {s['exit']})", s["lost"] == 0))
-    if "image_stall" in r:
-        i = r["image_stall"]
-        rows.append((f"9x2048x2048 images in {i['image_body_bytes']} B: quiet p50 idle / during (ms)",
+    for case, what in (("image_stall", "9x2048x2048 images"), ("image_stall_text", "text instead")):
+        if case not in r:
+            continue
+        i = r[case]
+        rows.append((f"{what} in {i['image_body_bytes']} B: quiet p50 idle / during (ms)",
                      f"{i['quiet_idle_p50_ms']:.1f} / {i['quiet_during_p50_ms']:.1f} "
                      f"({i['quiet_during_answers']} answers in {i['seconds']:g} s)", True))
         rows.append(("  quiet tenant p99 idle / during (ms), noisy answers",
