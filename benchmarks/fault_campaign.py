@@ -467,10 +467,11 @@ def distinct_pngs(count: int, side: int = 2048) -> list[bytes]:
     return [head + chunk(n) + tail for n in range(count)]
 
 
-def phase_image_stall(processes: Processes, seconds: float, quiet: int = 300, text: bool = False) -> dict[str, Any]:
-    """A quiet tenant's one-token requests, ``quiet`` of them idle, then for ``seconds``
-    while two clients of another tenant send nine-image turns of one conversation
-    (``text``: bodies of the same size without images, to compare)."""
+def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, text: bool = False) -> dict[str, Any]:
+    """A quiet tenant's one-token requests back to back, in idle windows alternating
+    with windows (``seconds`` of each in all) while two clients of another tenant send
+    nine-image turns of one conversation (``text``: bodies of the same size without
+    images, to compare)."""
     import base64
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -492,7 +493,9 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 300, te
     largest = max(len(body) for body in bodies)
     quiet_body = {"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "Ping?"}]}
     noisy: list[tuple[int, float]] = []
-    stop = threading.Event()
+    cut_short: list[bool] = []  # the prefix check did not finish within its budget (GW001)
+    stop, active = threading.Event(), threading.Event()
+    in_flight = threading.Semaphore(2)  # held by a sender while its request is out
 
     def send_images(client_number: int) -> None:
         headers = {"authorization": f"Bearer {TENANT_KEYS['alpha']}", "content-type": "application/json",
@@ -500,11 +503,23 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 300, te
         with httpx.Client(timeout=120) as sender:
             n = client_number
             while not stop.is_set():
-                start = time.perf_counter()
-                response = sender.post(url + "/v1/chat/completions", content=bodies[n % len(bodies)], headers=headers)
-                noisy.append((response.status_code, time.perf_counter() - start))
+                if not active.wait(0.05):
+                    continue
+                with in_flight:
+                    start = time.perf_counter()
+                    response = sender.post(url + "/v1/chat/completions", content=bodies[n % len(bodies)],
+                                           headers=headers)
+                    noisy.append((response.status_code, time.perf_counter() - start))
+                    cut_short.append("GW001" in response.headers.get("x-prefixgate-warnings", ""))
                 n += 2
 
+    # Idle and noisy windows alternate (``rounds`` of each), so both see the same
+    # background load; an idle window starts once no noisy request is out.
+    rounds = max(2, int(seconds))
+    window = seconds / rounds
+    idle: list[float] = []
+    during: list[float] = []
+    senders = [threading.Thread(target=send_images, args=(i,)) for i in range(2)]
     with httpx.Client(timeout=120) as client:
         def one() -> float:
             start = time.perf_counter()
@@ -512,16 +527,24 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 300, te
                         headers={"authorization": f"Bearer {TENANT_KEYS['beta']}"}).raise_for_status()
             return time.perf_counter() - start
 
-        for _ in range(20):
+        def measure(into: list[float]) -> None:
+            deadline = time.perf_counter() + window
+            while time.perf_counter() < deadline:
+                into.append(one())
+
+        for _ in range(quiet // 10):
             one()  # warm-up
-        idle = [one() for _ in range(quiet)]
-        senders = [threading.Thread(target=send_images, args=(i,)) for i in range(2)]
         for sender in senders:
             sender.start()
-        during: list[float] = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            during.append(one())
+        for _ in range(rounds):
+            active.clear()
+            for _ in range(2):
+                in_flight.acquire()  # both senders idle
+            for _ in range(2):
+                in_flight.release()
+            measure(idle)
+            active.set()
+            measure(during)
         stop.set()
         for sender in senders:
             sender.join()
@@ -529,8 +552,9 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 300, te
         "image_body_bytes": largest, "seconds": seconds,
         "quiet_idle_p50_ms": 1000 * sorted(idle)[len(idle) // 2], "quiet_idle_p99_ms": 1000 * _p99(idle),
         "quiet_during_p50_ms": 1000 * sorted(during)[len(during) // 2], "quiet_during_p99_ms": 1000 * _p99(during),
-        "quiet_idle_rps": len(idle) / sum(idle), "quiet_during_answers": len(during),
+        "quiet_idle_answers": len(idle), "quiet_during_answers": len(during),
         "noisy_requests": len(noisy), "noisy_statuses": sorted({status for status, _ in noisy}),
+        "noisy_checks_cut_short": sum(cut_short),
         "noisy_p50_ms": 1000 * sorted(seconds for _, seconds in noisy)[len(noisy) // 2] if noisy else None,
     }
 
@@ -657,7 +681,8 @@ def print_table(r: dict[str, Any]) -> int:
         i = r[case]
         rows.append((f"{what} in {i['image_body_bytes']} B: quiet p50 idle / during (ms)",
                      f"{i['quiet_idle_p50_ms']:.1f} / {i['quiet_during_p50_ms']:.1f} "
-                     f"({i['quiet_during_answers']} answers in {i['seconds']:g} s)", True))
+                     f"(answers {i['quiet_idle_answers']} / {i['quiet_during_answers']} in {i['seconds']:g} s each)",
+                     True))
         rows.append(("  quiet tenant p99 idle / during (ms), noisy answers",
                      f"{i['quiet_idle_p99_ms']:.1f} / {i['quiet_during_p99_ms']:.1f}, "
                      f"{i['noisy_requests']} x{i['noisy_statuses']}",

@@ -15,7 +15,8 @@ killed and replaced. A child still importing when a body arrives is not sent it
 (it says ``ready`` first): the caller gets no warnings rather than waiting.
 
 One check at a time (a lock); a caller that cannot get the process within its
-budget gives up. The child bounds its findings (``bound_warnings``) before
+budget gives up. The child runs at a lower CPU priority (nice 10): its work is
+advisory, and on busy CPUs the serving process must not wait for it. The child bounds its findings (``bound_warnings``) before
 sending them back, so the reply is small whatever the body.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -164,6 +166,8 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             raise _Interrupted
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    with contextlib.suppress(OSError):
+        os.nice(10)  # advisory work: the serving process comes first when the CPUs are busy
     signal.signal(signal.SIGALRM, interrupt)
     conn.send_bytes(b"ready")
     while True:
