@@ -467,11 +467,12 @@ def distinct_pngs(count: int, side: int = 2048) -> list[bytes]:
     return [head + chunk(n) + tail for n in range(count)]
 
 
-def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, text: bool = False) -> dict[str, Any]:
+def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, kind: str = "images") -> dict[str, Any]:
     """A quiet tenant's one-token requests back to back, in idle windows alternating
     with windows (``seconds`` of each in all) while two clients of another tenant send
-    nine-image turns of one conversation (``text``: bodies of the same size without
-    images, to compare)."""
+    nine-image turns of one conversation (``kind`` "text": bodies of the same size
+    without images, to compare; "messages": 2 MiB bodies of 40,000 short messages,
+    whose parsing and canonicalization grow with the body)."""
     import base64
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -482,14 +483,18 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, te
                                  "--serve-upstream", str(port)])
     processes.children.append(upstream)
     wait_upstream(f"http://127.0.0.1:{port}", upstream)
-    url, _, _ = processes.gateway(f"http://127.0.0.1:{port}", "image-stall" + "-text" * text, "--workers", "1")
+    url, _, _ = processes.gateway(f"http://127.0.0.1:{port}", f"stall-{kind}", "--workers", "1")
     pngs = distinct_pngs(2000)
     bodies: list[bytes] = []
     for n in range(0, len(pngs) - 8, 9):
         parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
-                 if not text else {"type": "text", "text": base64.b64encode(png).decode()} for png in pngs[n:n + 9]]
+                 if kind == "images" else {"type": "text", "text": base64.b64encode(png).decode()}
+                 for png in pngs[n:n + 9]]
         bodies.append(json.dumps({"model": "fake-model", "max_tokens": 1, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "Which is darker?"}, *parts]}]}).encode())
+    if kind == "messages":
+        bodies = [json.dumps({"model": "fake-model", "max_tokens": 1, "messages": [
+            {"role": "user", "content": f"note {n}-{i}"} for i in range(40_000)]}).encode() for n in range(4)]
     largest = max(len(body) for body in bodies)
     quiet_body = {"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "Ping?"}]}
     noisy: list[tuple[int, float]] = []
@@ -576,7 +581,8 @@ def main() -> int:
     parser.add_argument("--image-seconds", type=float, default=15.0,
                         help="how long the image-stall case's noisy tenant sends (default 15)")
     parser.add_argument("--image-text-too", action="store_true",
-                        help="image_stall: also measure a noisy tenant sending text bodies of the same size")
+                        help="image_stall: also measure a noisy tenant sending text bodies of the same size, "
+                        "and one sending 2 MiB bodies of 40,000 messages")
     args = parser.parse_args()
     if args.quick:
         args.cases, args.fault_requests = 200, 200
@@ -588,7 +594,8 @@ def main() -> int:
             try:
                 results["image_stall"] = phase_image_stall(processes, args.image_seconds)
                 if args.image_text_too:
-                    results["image_stall_text"] = phase_image_stall(processes, args.image_seconds, text=True)
+                    for kind in ("text", "messages"):
+                        results[f"image_stall_{kind}"] = phase_image_stall(processes, args.image_seconds, kind=kind)
                 results["seconds"] = {}
             finally:
                 processes.stop()
@@ -675,7 +682,8 @@ def print_table(r: dict[str, Any]) -> int:
             s = r[f"signal_{sig}"]
             rows.append((f"{sig} under load: answered rows lost", f"{s['lost']} of {s['answered_200']} "
                          f"(exit {s['exit']})", s["lost"] == 0))
-    for case, what in (("image_stall", "9x2048x2048 images"), ("image_stall_text", "text instead")):
+    for case, what in (("image_stall", "9x2048x2048 images"), ("image_stall_text", "text instead"),
+                       ("image_stall_messages", "40k messages")):
         if case not in r:
             continue
         i = r[case]
