@@ -20,8 +20,9 @@ EPILOG = """examples:
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "keys",
-        help="create tenant API keys",
-        description="Create API keys. Only their SHA-256 hash goes into the config.",
+        help="create tenant API keys, or show a key's open-mode label",
+        description="Create API keys (only their SHA-256 hash goes into the config), or print the label "
+        "the dashboard shows for a key's tenant in open mode.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
