@@ -38,11 +38,12 @@ def more_traffic(db_url: str, now) -> None:
         for _ in range(4):
             prompt = rng.randint(800, 2400)
             cached = int(prompt * min(0.95, 0.2 + 0.03 * (24 - hours_ago)) // 16 * 16)
+            ttft = 40 + (prompt - cached) * 0.4
             rows.append({
                 "time": now - timedelta(hours=hours_ago, minutes=rng.randint(0, 50)), "tenant": "gamma",
                 "endpoint": "chat.completions", "model": "smol", "upstream": "http://u", "status": 200,
                 "stream": True, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": 20,
-                "ttft_ms": 40 + (prompt - cached) * 0.4, "latency_ms": 400.0,
+                "ttft_ms": ttft, "latency_ms": ttft + 360.0,
                 "warning_codes": "PS101" if hours_ago > 12 else "",
             })
     engine = database.create_db_engine(db_url)
