@@ -18,10 +18,15 @@ Phases, each a row of the table:
 5. the engine's port without the key: 401 on every inference route;
 6. oversized: rounds of two 7.5 MiB user messages refused by the engine and through the gateway,
    and another tenant's one-token latency while it is refused (p99 vs idle p99);
-7. signals: SIGINT and SIGTERM to a gateway under load: answered requests without a row.
+7. signals: SIGINT and SIGTERM to a gateway under load: answered requests without a row;
+8. image stall (self-contained: its own one-worker gateway in front of the instant fake
+   upstream of ``gateway_overhead.py``): a quiet tenant's sequential latency, idle and
+   while another tenant's two clients send 8 KiB bodies of nine distinct 2048x2048 PNGs
+   in one conversation (each turn compared with the previous one names 18 images).
 
 Prints the table and writes JSON to benchmarks/results/fault_campaign.json.
 Usage: python benchmarks/fault_campaign.py [--cases 2000] [--fault-requests 2000] [--quick] [--only PHASE]
+       python benchmarks/fault_campaign.py --only image_stall   # no engine needed
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ class Processes:
         wait_healthy(url, process)
         return url
 
-    def gateway(self, upstream: str, name: str) -> tuple[str, subprocess.Popen[bytes], Path]:
+    def gateway(self, upstream: str, name: str, *extra: str) -> tuple[str, subprocess.Popen[bytes], Path]:
         from gateway.api_key import hash_key
 
         data = self.workdir / name
@@ -186,7 +191,7 @@ class Processes:
         port = free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream, "--port", str(port),
-             "--config", str(config), "--data-dir", str(data), "--log-level", "error"],
+             "--config", str(config), "--data-dir", str(data), "--log-level", "error", *extra],
             env={**self.env, "PREFIXGATE_UPSTREAM_API_KEY": self.engine_key})
         self.children.append(process)
         url = f"http://127.0.0.1:{port}"
@@ -441,6 +446,124 @@ def phase_signal(processes: Processes, upstream: str, sig: signal.Signals, reque
             "lost": max(0, answered - ok_rows)}
 
 
+def distinct_pngs(count: int, side: int = 2048) -> list[bytes]:
+    """``count`` PNGs of ``side`` x ``side`` 1-bit zeros that differ in their bytes (a text
+    chunk numbers them), so every one is decoded anew; ~600 bytes each for 2048x2048."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("1", (side, side), 0).save(out, format="PNG", optimize=True)
+    base = out.getvalue()
+    head, tail = base[:33], base[33:]  # signature + IHDR, then the rest
+
+    def chunk(n: int) -> bytes:
+        data = b"tEXt" + b"n\0" + str(n).encode()
+        return struct.pack(">I", len(data) - 4) + data + struct.pack(">I", zlib.crc32(data))
+
+    return [head + chunk(n) + tail for n in range(count)]
+
+
+def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, kind: str = "images") -> dict[str, Any]:
+    """A quiet tenant's one-token requests back to back, in idle windows alternating
+    with windows (``seconds`` of each in all) while two clients of another tenant send
+    nine-image turns of one conversation (``kind`` "text": bodies of the same size
+    without images, to compare; "messages": 2 MiB bodies of 40,000 short messages,
+    whose parsing and canonicalization grow with the body)."""
+    import base64
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gateway_overhead import wait_healthy as wait_upstream
+
+    port = free_port()
+    upstream = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gateway_overhead.py"),
+                                 "--serve-upstream", str(port)])
+    processes.children.append(upstream)
+    wait_upstream(f"http://127.0.0.1:{port}", upstream)
+    url, _, _ = processes.gateway(f"http://127.0.0.1:{port}", f"stall-{kind}", "--workers", "1")
+    pngs = distinct_pngs(2000)
+    bodies: list[bytes] = []
+    for n in range(0, len(pngs) - 8, 9):
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+                 if kind == "images" else {"type": "text", "text": base64.b64encode(png).decode()}
+                 for png in pngs[n:n + 9]]
+        bodies.append(json.dumps({"model": "fake-model", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Which is darker?"}, *parts]}]}).encode())
+    if kind == "messages":
+        bodies = [json.dumps({"model": "fake-model", "max_tokens": 1, "messages": [
+            {"role": "user", "content": f"note {n}-{i}"} for i in range(40_000)]}).encode() for n in range(4)]
+    largest = max(len(body) for body in bodies)
+    quiet_body = {"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "Ping?"}]}
+    noisy: list[tuple[int, float]] = []
+    cut_short: list[bool] = []  # the prefix check did not finish within its budget (GW001)
+    stop, active = threading.Event(), threading.Event()
+    in_flight = threading.Semaphore(2)  # held by a sender while its request is out
+
+    def send_images(client_number: int) -> None:
+        headers = {"authorization": f"Bearer {TENANT_KEYS['alpha']}", "content-type": "application/json",
+                   "x-prefixgate-conversation": f"images-{client_number}"}
+        with httpx.Client(timeout=120) as sender:
+            n = client_number
+            while not stop.is_set():
+                if not active.wait(0.05):
+                    continue
+                with in_flight:
+                    start = time.perf_counter()
+                    response = sender.post(url + "/v1/chat/completions", content=bodies[n % len(bodies)],
+                                           headers=headers)
+                    noisy.append((response.status_code, time.perf_counter() - start))
+                    cut_short.append("GW001" in response.headers.get("x-prefixgate-warnings", ""))
+                n += 2
+
+    # Idle and noisy windows alternate (``rounds`` of each), so both see the same
+    # background load; an idle window starts once no noisy request is out.
+    rounds = max(2, int(seconds))
+    window = seconds / rounds
+    idle: list[float] = []
+    during: list[float] = []
+    senders = [threading.Thread(target=send_images, args=(i,)) for i in range(2)]
+    with httpx.Client(timeout=120) as client:
+        def one() -> float:
+            start = time.perf_counter()
+            client.post(url + "/v1/chat/completions", json=quiet_body,
+                        headers={"authorization": f"Bearer {TENANT_KEYS['beta']}"}).raise_for_status()
+            return time.perf_counter() - start
+
+        def measure(into: list[float]) -> None:
+            deadline = time.perf_counter() + window
+            while time.perf_counter() < deadline:
+                into.append(one())
+
+        for _ in range(quiet // 10):
+            one()  # warm-up
+        for sender in senders:
+            sender.start()
+        for _ in range(rounds):
+            active.clear()
+            for _ in range(2):
+                in_flight.acquire()  # both senders idle
+            for _ in range(2):
+                in_flight.release()
+            measure(idle)
+            active.set()
+            measure(during)
+        stop.set()
+        for sender in senders:
+            sender.join()
+    return {
+        "image_body_bytes": largest, "seconds": seconds,
+        "quiet_idle_p50_ms": 1000 * sorted(idle)[len(idle) // 2], "quiet_idle_p99_ms": 1000 * _p99(idle),
+        "quiet_during_p50_ms": 1000 * sorted(during)[len(during) // 2], "quiet_during_p99_ms": 1000 * _p99(during),
+        "quiet_idle_answers": len(idle), "quiet_during_answers": len(during),
+        "noisy_requests": len(noisy), "noisy_statuses": sorted({status for status, _ in noisy}),
+        "noisy_checks_cut_short": sum(cut_short),
+        "noisy_p50_ms": 1000 * sorted(seconds for _, seconds in noisy)[len(noisy) // 2] if noisy else None,
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 def main() -> int:
@@ -453,7 +576,13 @@ def main() -> int:
                         help="the engine's context (default 2048: bounds the prefill of the largest valid cases)")
     parser.add_argument("--quick", action="store_true", help="200 cases, 200 fault requests")
     parser.add_argument("--only", default=None, metavar="PHASE",
-                        help="run one phase: malformed, faults, cancel, isolation, engine_auth, oversized, signals")
+                        help="run one phase: malformed, faults, cancel, isolation, engine_auth, oversized, signals, "
+                        "image_stall")
+    parser.add_argument("--image-seconds", type=float, default=15.0,
+                        help="how long the image-stall case's noisy tenant sends (default 15)")
+    parser.add_argument("--image-text-too", action="store_true",
+                        help="image_stall: also measure a noisy tenant sending text bodies of the same size, "
+                        "and one sending 2 MiB bodies of 40,000 messages")
     args = parser.parse_args()
     if args.quick:
         args.cases, args.fault_requests = 200, 200
@@ -461,6 +590,18 @@ def main() -> int:
                                "cpus": os.cpu_count(), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="prefixgate-campaign-") as tmp:
         processes = Processes(Path(tmp), args.max_model_len)
+        if args.only == "image_stall":  # self-contained: no engine
+            try:
+                results["image_stall"] = phase_image_stall(processes, args.image_seconds)
+                if args.image_text_too:
+                    for kind in ("text", "messages"):
+                        results[f"image_stall_{kind}"] = phase_image_stall(processes, args.image_seconds, kind=kind)
+                results["seconds"] = {}
+            finally:
+                processes.stop()
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / "fault_campaign_image_stall.json").write_text(json.dumps(results, indent=2) + "\n")
+            return print_table(results)
         try:
             engine = processes.engine()
             proxy = FaultProxy(engine, processes.engine_key, args.seed, args.fault_rate)
@@ -490,6 +631,8 @@ def main() -> int:
             if args.only in (None, "signals"):
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     results[f"signal_{sig.name}"] = timed(sig.name, phase_signal, processes, proxy_url, sig, 200)
+            if args.only is None:
+                results["image_stall"] = timed("image_stall", phase_image_stall, processes, args.image_seconds)
             results["blocks_in_use_at_end"] = engine_blocks_used(engine, processes.engine_key)
             results["seconds"] = timings
             proxy_server.should_exit = True
@@ -539,7 +682,22 @@ def print_table(r: dict[str, Any]) -> int:
             s = r[f"signal_{sig}"]
             rows.append((f"{sig} under load: answered rows lost", f"{s['lost']} of {s['answered_200']} "
                          f"(exit {s['exit']})", s["lost"] == 0))
-    rows.append(("KV blocks in use at the end", f"{r['blocks_in_use_at_end']:.0f}", r["blocks_in_use_at_end"] == 0))
+    for case, what in (("image_stall", "9x2048x2048 images"), ("image_stall_text", "text instead"),
+                       ("image_stall_messages", "40k messages")):
+        if case not in r:
+            continue
+        i = r[case]
+        rows.append((f"{what} in {i['image_body_bytes']} B: quiet p50 idle / during (ms)",
+                     f"{i['quiet_idle_p50_ms']:.1f} / {i['quiet_during_p50_ms']:.1f} "
+                     f"(answers {i['quiet_idle_answers']} / {i['quiet_during_answers']} in {i['seconds']:g} s each)",
+                     True))
+        rows.append(("  quiet tenant p99 idle / during (ms), noisy answers",
+                     f"{i['quiet_idle_p99_ms']:.1f} / {i['quiet_during_p99_ms']:.1f}, "
+                     f"{i['noisy_requests']} x{i['noisy_statuses']}",
+                     i["quiet_during_p99_ms"] <= 2 * i["quiet_idle_p99_ms"] and i["noisy_statuses"] == [200]))
+    if "blocks_in_use_at_end" in r:
+        rows.append(("KV blocks in use at the end", f"{r['blocks_in_use_at_end']:.0f}",
+                     r["blocks_in_use_at_end"] == 0))
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'check':<{width}}  {'result':<40}  ok")
     print("-" * (width + 48))

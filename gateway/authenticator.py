@@ -2,7 +2,8 @@
 
 With a config, only listed key hashes authenticate (anything else is 401). In open
 mode (no config) every distinct bearer token is its own isolated tenant named
-``open-<first 12 hex of its SHA-256>``, and a request without a token is tenant
+``open-<first 32 hex of its SHA-256>`` (128 bits, :func:`gateway.tenant_names.open_tenant_id`;
+reports show a shorter label), and a request without a token is tenant
 ``anonymous`` -- a local convenience, announced at start-up.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from gateway.api_key import hash_key
 from gateway.config import GatewayConfig, Tenant
 from gateway.errors import Forbidden, Unauthorized
+from gateway.tenant_names import open_tenant_id
 
 ANONYMOUS = "anonymous"
 
@@ -35,7 +37,7 @@ class Authenticator:
         if self.open_mode:
             if token is None:
                 return Tenant(name=ANONYMOUS)
-            return Tenant(name="open-" + hash_key(token)[len("sha256:") :][:12])
+            return Tenant(name=open_tenant_id(token))
         if token is None:
             raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
         name = self.config.key_hashes.get(hash_key(token))

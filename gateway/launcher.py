@@ -48,7 +48,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
 
     ``replicas`` (several ``--upstream``) win over the config's ``[[upstreams]]``."""
     from gateway.database import default_db_url
-    from gateway.salt import load_or_create_secret
+    from gateway.salt import exposed_secret_warning, load_or_create_secret, secret_files
     from gateway.upstream import normalize_base_url
 
     config = load_config(args.config) if args.config is not None else GatewayConfig()
@@ -57,9 +57,12 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
     if not upstream:
         raise ValueError("no upstream: pass --upstream URL or set [server] upstream in the config")
     data_dir = args.data_dir or default_data_dir()
+    secret = load_or_create_secret(data_dir, config.secret)
+    exposed = (exposed_secret_warning(path) for path in secret_files(data_dir, args.config, config.secret))
     return GatewaySettings(
         upstream=normalize_base_url(upstream),
-        secret=load_or_create_secret(data_dir, config.secret),
+        secret=secret,
+        startup_warnings=tuple(line for line in exposed if line is not None),
         db_url=args.db_url or default_db_url(data_dir),
         config=config,
         open_mode=args.config is None,
@@ -105,6 +108,8 @@ def run_gateway(
 
     configure_logging(log_level)
     database.upgrade(settings.db_url)
+    for line in settings.startup_warnings:
+        log.warning("%s", line)
     if settings.open_mode:
         log.warning(
             "no --config: OPEN MODE for local use -- every distinct bearer token is its own "

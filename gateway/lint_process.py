@@ -15,7 +15,8 @@ killed and replaced. A child still importing when a body arrives is not sent it
 (it says ``ready`` first): the caller gets no warnings rather than waiting.
 
 One check at a time (a lock); a caller that cannot get the process within its
-budget gives up. The child bounds its findings (``bound_warnings``) before
+budget gives up. The child runs at a lower CPU priority (nice 10): its work is
+advisory, and on busy CPUs the serving process must not wait for it. The child bounds its findings (``bound_warnings``) before
 sending them back, so the reply is small whatever the body.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -31,6 +33,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import orjson
+
+from linter.image_parts import PixelBudget
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +58,15 @@ class LintProcess:
         budget_s: float,
         raw: bytes | None = None,
         edits: bool = True,
+        pixels: PixelBudget | None = None,
     ) -> list[dict[str, Any]] | None:
         """Warning dicts, or None when the budget ran out (the process is then killed).
 
         ``raw``, the client's JSON bytes of ``original`` (its ``cache_salt`` is dropped
-        there), is sent instead of re-encoding ``original``.
+        there), is sent instead of re-encoding ``original``. ``pixels`` bounds the
+        image pixels the child decodes (:func:`linter.image_parts.pixel_budget`; None: no
+        bound); its ``used`` grows by what the child decoded (by all that was left when
+        the answer does not come back).
         """
         deadline = time.monotonic() + budget_s
         if not self._lock.acquire(timeout=budget_s):
@@ -71,18 +79,27 @@ class LintProcess:
             raw = raw if raw is not None else orjson.dumps(original)
             remaining = deadline - time.monotonic()
             conn.send_bytes(orjson.dumps(
-                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits]
+                [previous, None if same else canonical, self.max_warnings, self.max_warning_bytes, remaining, edits,
+                 None if pixels is None else pixels.left]
             ))
             conn.send_bytes(raw)
             if not conn.poll(max(0.0, deadline - time.monotonic())):
+                if pixels is not None:
+                    pixels.used = pixels.limit
                 self.cut_short += 1
                 self._owed += 1  # the child's own timer stops it; its null is read next time
                 log.warning("prefix check of a %d-byte body exceeded its %.1f s budget; stopped it",
                             len(raw), budget_s)
                 return None
-            found: list[dict[str, Any]] | None = orjson.loads(conn.recv_bytes())
-            if found is None:
+            reply = orjson.loads(conn.recv_bytes())
+            if reply is None:
                 self.cut_short += 1
+                if pixels is not None:
+                    pixels.used = pixels.limit
+                return None
+            found: list[dict[str, Any]] = reply[0]
+            if pixels is not None:
+                pixels.used += reply[1]
             return found
         except (OSError, EOFError, TypeError, orjson.JSONDecodeError):
             log.exception("prefix check process failed; continuing without its warnings")
@@ -137,7 +154,10 @@ class _Interrupted(BaseException):
 
 
 def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child process
+    import contextlib
+
     from gateway.prefix_warner import bound_warnings, lint
+    from linter.image_parts import pixel_budget
 
     checking = False
 
@@ -146,6 +166,8 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             raise _Interrupted
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    with contextlib.suppress(OSError):
+        os.nice(10)  # advisory work: the serving process comes first when the CPUs are busy
     signal.signal(signal.SIGALRM, interrupt)
     conn.send_bytes(b"ready")
     while True:
@@ -156,15 +178,17 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the child pr
             return
         reply = b"null"
         try:
-            previous, canonical, max_warnings, max_bytes, budget_s, edits = orjson.loads(header)
+            previous, canonical, max_warnings, max_bytes, budget_s, edits, pixels = orjson.loads(header)
             checking = True
             signal.setitimer(signal.ITIMER_REAL, max(budget_s, 0.001))
             original = orjson.loads(raw)
             original.pop("cache_salt", None)
             if canonical is None:
                 canonical = original
-            warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
-            reply = orjson.dumps([warning.to_dict() for warning in warnings])
+            budget = PixelBudget(pixels if pixels is not None else 0)
+            with pixel_budget(budget) if pixels is not None else contextlib.nullcontext():
+                warnings = bound_warnings(lint(original, previous, canonical, edits), max_warnings, max_bytes)
+            reply = orjson.dumps([[warning.to_dict() for warning in warnings], budget.used])
         except _Interrupted:
             pass
         finally:

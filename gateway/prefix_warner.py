@@ -23,6 +23,15 @@ Up to ``loop_max_bytes`` (8 KiB) it runs on the event loop itself: its worst cas
 there (dense dates, ~0.8 ms per KiB) is about one GIL switch interval (5 ms),
 which is how long a check on a thread would hold the GIL, and so the loop, anyway;
 and the two thread hand-offs it saves cost more than a typical check (~20 us).
+Only text does: a body with a ``data:`` URL, or whose conversation's previous turn
+has one or is larger than ``loop_max_bytes`` (:func:`light`, a walk bounded by that
+size), leaves the loop, and on the loop no image is decoded at all (a pixel budget
+of 0). A check that names images (a ``data:`` URL in either turn) runs in the helper
+process whatever its size: decoding and hashing nine 2048x2048 images took half a
+second, and in a thread the GIL would still stall the loop for milliseconds at a
+time. There images are decoded within the tenant's
+:class:`~gateway.pixel_rate.PixelRate` (pixels per request and per second; past it
+an image is named by a hash of its bytes, :mod:`linter.image_parts`), each once.
 Up to ``inline_max_bytes`` it runs on a small thread pool (the loop gets the GIL
 back every switch interval). Larger bodies are checked in a helper process
 instead (the linter's work grows faster than the body; in a thread it would hold
@@ -41,7 +50,9 @@ compared whichever worker they reach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from gateway.lint_process import LintProcess
+from gateway.pixel_rate import PixelRate
 from linter.api import (
     CONVERSATION_HEADER,
     ConversationKeys,
@@ -56,6 +68,7 @@ from linter.api import (
     compare_requests,
     conversation_keys,
 )
+from linter.image_parts import PixelBudget, pixel_budget
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +148,28 @@ def lint(
     return request_warnings(original) + turn_warnings(previous, canonical, edits)
 
 
+def light(value: Any, max_chars: int) -> bool:
+    """Whether ``value`` (parsed JSON) is cheap to lint on the event loop: no string that
+    is a ``data:`` URL and at most ``max_chars`` characters of strings and items in all.
+    The walk stops as soon as either fails, so it costs O(``max_chars``) at most."""
+    stack, cost = [value], 0
+    while stack:
+        item = stack.pop()
+        cost += 1
+        if isinstance(item, str):
+            cost += len(item)
+            if item.startswith("data:"):
+                return False
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        if cost > max_chars:
+            return False
+    return True
+
+
 def bound_warnings(
     warnings: list[PrefixWarning], max_warnings: int, max_bytes: int
 ) -> list[PrefixWarning]:
@@ -170,6 +205,7 @@ class PrefixWarner:
         inline_max_bytes: int = 64 * 1024,
         loop_max_bytes: int = 8 * 1024,
         history: History | None = None,
+        pixels: PixelRate | None = None,
     ) -> None:
         self.max_tenants = max_tenants
         self.max_conversations = max_conversations
@@ -180,6 +216,7 @@ class PrefixWarner:
         self.inline_max_bytes = inline_max_bytes
         self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
+        self.pixels = pixels or PixelRate(max_tenants=max_tenants)
         self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._lint_process: LintProcess | None = None
@@ -218,7 +255,8 @@ class PrefixWarner:
         conversation_header: str | None, raw: bytes | None, lint_after: Awaitable[Any] | None,
         budget: asyncio.Timeout,
     ) -> list[PrefixWarning]:
-        on_loop = body_size <= min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
+        limit = min(self.loop_max_bytes, self.inline_max_bytes)  # never wait for the helper on the loop
+        on_loop = body_size <= limit and light(original, limit) and light(canonical, limit)
         keys = (conversation_keys(canonical, conversation_header) if on_loop
                 else await self._on_thread(conversation_keys, canonical, conversation_header))
         exchange = self.history.start(tenant, keys, canonical, body_size) if keys is not None else None
@@ -226,11 +264,19 @@ class PrefixWarner:
             await lint_after
             budget.reschedule(asyncio.get_running_loop().time() + self.budget_s)  # counted from the send
         # on the loop, the per-request rules run while the history's reply is on its way
-        own = request_warnings(original) if on_loop else None
-        previous = await exchange if exchange is not None else None
+        own = None
         if on_loop:
-            return self._findings(original, previous, canonical, keys, body_size, raw, own)
-        return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw)
+            with pixel_budget(PixelBudget(0)):
+                own = request_warnings(original)
+        previous = await exchange if exchange is not None else None
+        if on_loop and (previous is None or light(previous, limit)):
+            return self._findings(original, previous, canonical, keys, body_size, raw, own, PixelBudget(0))
+        pixels = PixelBudget(self.pixels.allowance(tenant))
+        try:
+            return await self._on_thread(self._findings, original, previous, canonical, keys, body_size, raw,
+                                         own, pixels)
+        finally:
+            self.pixels.charge(tenant, pixels.used)  # so far: a check cut short may decode on, within its limit
 
     async def _on_thread(self, function: Callable[..., _T], *args: Any) -> _T:
         if self._pool is None:
@@ -284,25 +330,33 @@ class PrefixWarner:
     def _findings(
         self, original: Mapping[str, Any], previous: Mapping[str, Any] | None, canonical: Mapping[str, Any],
         keys: ConversationKeys | None, body_size: int, raw: bytes | None,
-        own: list[PrefixWarning] | None = None,
+        own: list[PrefixWarning] | None = None, pixels: PixelBudget | None = None,
     ) -> list[PrefixWarning]:
         """The linter's bounded findings, given the conversation's ``previous`` turn
-        (and ``own``, the per-request rules' findings, when already computed)."""
+        (and ``own``, the per-request rules' findings, when already computed), decoding
+        at most ``pixels`` of images (None: no bound, the synchronous :meth:`check`).
+
+        With ``pixels``, a check that names images runs in the helper process, as large
+        bodies do: decoding and hashing pixels in a thread would hold the GIL, and so
+        the event loop, for milliseconds at a time."""
         # An exact repeat (a retry) extends its predecessor trivially: nothing to compare.
         if previous is not None and previous == canonical:
             previous = None
         # A prompt_cache_key may name many conversations: only truncations and static changes count.
         edits = keys is None or not keys.shared
-        if body_size > self.inline_max_bytes:
+        images = pixels is not None and any(
+            not light(body, sys.maxsize) for body in (original, canonical, previous) if body is not None)
+        if body_size > self.inline_max_bytes or images:
             if self._lint_process is None:
                 self._lint_process = LintProcess(self.max_warnings, self.max_warning_bytes)
-            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits)
+            found = self._lint_process.check(original, previous, canonical, self.budget_s, raw, edits, pixels)
             if found is None:
                 return [self._over_budget()]
             return bound_warnings([PrefixWarning(**item) for item in found], self.max_warnings,
                                   self.max_warning_bytes)
-        warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
-            previous, canonical, edits)
+        with pixel_budget(pixels) if pixels is not None else contextlib.nullcontext():
+            warnings = lint(original, previous, canonical, edits) if own is None else own + turn_warnings(
+                previous, canonical, edits)
         return bound_warnings(warnings, self.max_warnings, self.max_warning_bytes)
 
     def start(

@@ -2,7 +2,8 @@
 
 Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
 take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
-server-side salt -> prefix warnings (chat, within the warner's budget): the
+server-side salt and encode the upstream body (these grow with the body: past
+``LOOP_MAX_BODY_BYTES`` on a thread, not on the event loop) -> prefix warnings (chat, within the warner's budget): the
 conversation-history exchange is started, then the upstream call, and the linter
 runs once the request is on the wire, so both overlap the upstream's work (for
 ``reject_on`` tenants the whole check runs before anything is sent) -> await the
@@ -20,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
          "responses": "/v1/responses"}
 WARNINGS_HEADER = "x-prefixgate-warnings"
+LOOP_MAX_BODY_BYTES = 64 * 1024  # larger bodies are parsed, canonicalized and encoded on a thread
+
+# (the body as sent without its cache_salt, canonical, upstream, strip usage, encoded upstream body)
+_Prepared = tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool, bytes]
 
 
 class Proxy:
@@ -87,10 +93,11 @@ class Proxy:
         self.writer.submit(record)
         self.metrics.observe(record)
 
-    async def _handle(self, request: Request, record: RequestRecord) -> Response:
-        tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
-        record.tenant = tenant.name
-        raw = await read_body(request, self.max_body_bytes)
+    def _prepare(self, raw: bytes, tenant: Tenant, record: RequestRecord) -> _Prepared:
+        """Parse, canonicalize and scope one body, and encode what goes upstream. The first
+        two items are what the prefix check sees: the body as sent (without its
+        ``cache_salt``) and the canonical body, as chat requests (a Responses body's
+        :func:`chat_view`)."""
         body = parse_body(raw, record.endpoint)
         record.model = body["model"]
         record.stream = bool(body.get("stream"))
@@ -101,14 +108,29 @@ class Proxy:
         elif record.endpoint == "responses":
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
+        if record.endpoint == "responses" and tenant.warnings:  # warned about as the chat request it stands for
+            original, body = chat_view(original) or {}, chat_view(body) or {}
+        return original, body, upstream_body, strip_usage, orjson.dumps(upstream_body)
+
+    async def _handle(self, request: Request, record: RequestRecord) -> Response:
+        tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
+        record.tenant = tenant.name
+        raw = await read_body(request, self.max_body_bytes)
+        # Work that grows with the body stays off the event loop past a small size (in a
+        # thread the loop still gets the GIL back every switch interval between Python steps).
+        if len(raw) <= LOOP_MAX_BODY_BYTES:
+            prepared = self._prepare(raw, tenant, record)
+        else:
+            prepared = await anyio.to_thread.run_sync(self._prepare, raw, tenant, record)
+        original, body, upstream_body, strip_usage, content = prepared
 
         async def check(lint_after: asyncio.Future[None] | None = None) -> list[PrefixWarning]:
             if record.endpoint == "completions" or not tenant.warnings:
                 return []
             as_sent, canonical = original, body
             as_sent_raw: bytes | None = raw
-            if record.endpoint == "responses":  # warned about as the chat request it stands for
-                as_sent, canonical, as_sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
+            if record.endpoint == "responses":  # the chat views (_prepare)
+                as_sent_raw = None
                 if not canonical.get("messages"):
                     return []
             return await self.warner.check_within_budget(
@@ -133,7 +155,7 @@ class Proxy:
             if checking is not None:
                 checking.cancel()
             raise
-        path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
+        path = PATHS[record.endpoint]
 
         def on_sent(*_: Any) -> None:
             if not sent.done():

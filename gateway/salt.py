@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
 SECRET_ENV = "PREFIXGATE_SECRET"
@@ -28,6 +29,31 @@ def derive_cache_salt(secret: bytes, scope: str | None, client_salt: str | None)
     if client_salt is not None:
         message += b"\x00" + client_salt.encode("utf-8")
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def exposed_secret_warning(path: Path) -> str | None:
+    """One line when ``path`` (a file holding the server secret) is readable by its
+    group or by everyone, else None (also when it cannot be inspected). Whoever reads
+    the secret can compute every tenant's cache salt."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    if not mode & 0o044:
+        return None
+    who = "everyone" if mode & 0o004 else "its group"
+    return (f"{path} holds the server secret and is readable by {who} (mode {mode:04o}); "
+            f"anyone who reads it can derive every tenant's cache salt: run 'chmod 600 {path}'")
+
+
+def secret_files(data_dir: Path, config_path: Path | None, configured: str | None) -> list[Path]:
+    """The files that hold the secret :func:`load_or_create_secret` uses: the config
+    when it sets one, else ``data_dir/secret`` unless ``$PREFIXGATE_SECRET`` is set."""
+    if configured:
+        return [config_path] if config_path is not None else []
+    if os.environ.get(SECRET_ENV):
+        return []
+    return [data_dir / "secret"]
 
 
 def load_or_create_secret(data_dir: Path, configured: str | None = None) -> bytes:

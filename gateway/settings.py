@@ -28,6 +28,7 @@ class GatewaySettings:
     upstream_api_key: str | None = None
     replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
     routing: RoutingOptions = field(default_factory=RoutingOptions)
+    startup_warnings: tuple[str, ...] = ()  # logged once at start (e.g. a secret file others can read)
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
         return self.replicas or (ReplicaSpec(self.upstream, "r0"),)

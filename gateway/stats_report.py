@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Engine, select
 
 from gateway.stats_table import request_log
+from gateway.tenant_names import labels
 
 NO_TENANT = "(unauthenticated)"
 
@@ -29,6 +30,16 @@ class HitRate:
     completion_tokens: int = 0
     unknown_cached: int = 0
     known_prompt_tokens: int = 0
+
+    def merge(self, other: HitRate) -> None:
+        """Add ``other``'s counts to this one (the same as adding its rows here)."""
+        self.requests += other.requests
+        self.errors += other.errors
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.completion_tokens += other.completion_tokens
+        self.unknown_cached += other.unknown_cached
+        self.known_prompt_tokens += other.known_prompt_tokens
 
     def add(self, row: Any) -> None:
         self.requests += 1
@@ -73,6 +84,7 @@ def read_rows(engine: Engine, since: datetime | None) -> Iterable[Any]:
         request_log.c.cached_tokens,
         request_log.c.completion_tokens,
         request_log.c.ttft_ms,
+        request_log.c.latency_ms,
         request_log.c.warning_codes,
         request_log.c.replica,
         request_log.c.predicted_cached_tokens,
@@ -93,11 +105,17 @@ def per_tenant(engine: Engine, since: datetime | None = None) -> dict[str, HitRa
 def per_tenant_model_hour(
     engine: Engine, since: datetime | None = None
 ) -> dict[tuple[str, str, str], HitRate]:
-    result: dict[tuple[str, str, str], HitRate] = {}
+    """Hit rates per (tenant label, model, hour): open-mode ids shortened as on the dashboard
+    (:func:`gateway.tenant_names.labels`)."""
+    by_id: dict[tuple[str, str, str], HitRate] = {}
     for row in read_rows(engine, since):
         hour = row.time.strftime("%Y-%m-%d %H:00")
         key = (row.tenant or NO_TENANT, row.model or "-", hour)
-        result.setdefault(key, HitRate()).add(row)
+        by_id.setdefault(key, HitRate()).add(row)
+    label = labels(tenant for tenant, _, _ in by_id)
+    result: dict[tuple[str, str, str], HitRate] = {}
+    for (tenant, model, hour), stats in by_id.items():
+        result.setdefault((label[tenant], model, hour), HitRate()).merge(stats)
     return dict(sorted(result.items()))
 
 

@@ -28,16 +28,27 @@ the figure sizes ``tokens_lost``, it is not the engine's count.
 
 Decoding is memoized per URL (by its SHA256, at most :data:`MEMO_SIZE` entries):
 the gateway compares every turn with the previous one, and a conversation's images
-repeat in each.
+repeat in each, so each image is decoded once.
+
+Pixel budget (:func:`pixel_budget`): a caller that must bound its work (the gateway,
+per request and per tenant) runs the linter inside ``with pixel_budget(PixelBudget(n))``;
+images are then decoded only while their pixels fit in what is left of ``n``, and the
+rest are named by a hash of their bytes (as past :data:`MAX_DECODED_PIXELS`); the
+budget's ``used`` counts the pixels decoded. Such a fallback identity is not
+memoized, so one request's empty budget never fixes an image's name for later ones;
+within one budget the same bytes always get the same name, so two turns are
+compared consistently. Without a budget (the command line) every image is decoded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +87,32 @@ _memo: OrderedDict[bytes, tuple[str, bool, tuple[int, int] | None]] = OrderedDic
 _memo_lock = threading.Lock()
 
 
+@dataclass
+class PixelBudget:
+    """Pixels one bounded check may still decode (``limit``), and how many it did (``used``)."""
+
+    limit: int
+    used: int = 0
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - self.used)
+
+
+_budget: contextvars.ContextVar[PixelBudget | None] = contextvars.ContextVar("pixel_budget", default=None)
+
+
+@contextlib.contextmanager
+def pixel_budget(budget: PixelBudget) -> Iterator[PixelBudget]:
+    """Decode at most ``budget.left`` pixels of images (in all) in this context, counting
+    them in ``budget.used`` (see the module docstring)."""
+    token = _budget.set(budget)
+    try:
+        yield budget
+    finally:
+        _budget.reset(token)
+
+
 def image_part(part: Mapping[str, Any]) -> ImagePart | None:
     """The image a chat ``image_url`` or Responses ``input_image`` part sends; None for other parts."""
     kind = part.get("type")
@@ -100,11 +137,21 @@ def _identify(url: object, part: Mapping[str, Any]) -> tuple[str, bool, tuple[in
         if found is not None:
             _memo.move_to_end(key)
             return found
+    budget = _budget.get()
+    allowed = MAX_DECODED_PIXELS if budget is None else min(MAX_DECODED_PIXELS, budget.left)
     try:
-        identity = image_identity(data_url_bytes(url)[1], MAX_DECODED_PIXELS)
-        result = (identity.value, identity.exact, identity.size)
+        data = data_url_bytes(url)[1]
+        if allowed:
+            identity = image_identity(data, allowed)
+            result = (identity.value, identity.exact, identity.size)
+        else:  # nothing left to decode: not even the header is parsed
+            result = ("bytes:" + hashlib.sha256(data).hexdigest(), False, None)
     except ValueError:
         result = ("invalid:" + key.hex(), False, None)
+    if budget is not None and result[2] is not None:
+        budget.used += result[2][0] * result[2][1]
+    elif budget is not None and allowed < MAX_DECODED_PIXELS and result[0].startswith("bytes:"):
+        return result  # perhaps only for want of budget: not the image's name for good
     with _memo_lock:
         _memo[key] = result
         if len(_memo) > MEMO_SIZE:

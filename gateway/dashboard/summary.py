@@ -2,12 +2,18 @@
 
 :func:`summarize` returns plain JSON data (the page's only input):
 
-* ``tenants``: per tenant, the :class:`~gateway.stats_report.HitRate` figures of the
-  window plus ``saved_tokens`` and ``saved_cost``;
-* ``series``: per tenant, one point per UTC hour that had requests
-  (``hour``, ``requests``, ``prompt_tokens``, ``cached_tokens``, ``hit_rate``);
+* ``tenants``: per tenant label (:func:`gateway.tenant_names.labels`: configured names
+  as they are, open-mode ids shortened, never a key), the
+  :class:`~gateway.stats_report.HitRate` figures of the window plus ``saved_tokens``
+  and ``saved_cost``;
+* ``series``: for the :data:`CHART_TENANTS` tenants with the most requests, and
+  ``(others)`` for the rest together, one point per UTC hour that had requests
+  (``hour``, ``requests``, ``prompt_tokens``, ``cached_tokens``, ``hit_rate``), so a
+  chart never needs more colours than it has;
 * ``warnings``: the most frequent prefix-warning codes with their counts;
-* ``slowest``: the requests with the longest time to first token;
+* ``slowest``: the streamed requests with the longest time to first token (a
+  non-streamed request has no first token before its whole answer), with their
+  latency beside it;
 * ``totals`` and ``prices``.
 
 Invariants: hit rates follow :mod:`gateway.stats_report` (rows with unknown cached
@@ -28,11 +34,14 @@ from sqlalchemy import Engine
 
 from gateway.config import GatewayConfig
 from gateway.stats_report import NO_TENANT, HitRate, read_rows
+from gateway.tenant_names import labels
 
 DEFAULT_HOURS = 7 * 24
 MAX_HOURS = 90 * 24
 TOP_WARNINGS = 10
 SLOWEST = 10
+CHART_TENANTS = 10
+OTHERS = "(others)"  # not a valid tenant name, so never a tenant's
 
 
 def saved_cost(cached_tokens: int, config: GatewayConfig) -> float:
@@ -65,22 +74,34 @@ def summarize(engine: Engine, config: GatewayConfig, hours: int, now: datetime |
             stats.add(row)
         for code in filter(None, (row.warning_codes or "").split(",")):
             warnings[code] = warnings.get(code, 0) + 1
-        if row.ttft_ms is not None:
+        if row.stream and row.ttft_ms is not None:
             entry = (row.ttft_ms, -index, {
                 "time": row.time.strftime("%Y-%m-%d %H:%M:%S"), "tenant": tenant, "model": row.model,
-                "ttft_ms": round(row.ttft_ms, 1), "prompt_tokens": row.prompt_tokens,
-                "cached_tokens": row.cached_tokens, "stream": bool(row.stream),
+                "ttft_ms": round(row.ttft_ms, 1),
+                "latency_ms": None if row.latency_ms is None else round(row.latency_ms, 1),
+                "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
             })
             if len(slowest) < SLOWEST:
                 heapq.heappush(slowest, entry)
             else:
                 heapq.heappushpop(slowest, entry)
+    label = labels(tenants)
+    by_label: dict[str, HitRate] = {}
+    for name, stats in tenants.items():
+        by_label.setdefault(label[name], HitRate()).merge(stats)
+    charted = set(sorted(by_label, key=lambda name: (-by_label[name].requests, name))[:CHART_TENANTS])
+    points: dict[tuple[str, str], HitRate] = {}
+    for (name, hour), stats in hourly.items():
+        line = label[name] if label[name] in charted else OTHERS
+        points.setdefault((line, hour), HitRate()).merge(stats)
     series: dict[str, list[dict[str, Any]]] = {}
-    for (tenant, hour), stats in sorted(hourly.items()):
-        series.setdefault(tenant, []).append({
+    for (line, hour), stats in sorted(points.items(), key=lambda item: (item[0][0] == OTHERS, item[0])):
+        series.setdefault(line, []).append({
             "hour": hour, "requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
             "cached_tokens": stats.cached_tokens, "hit_rate": stats.hit_rate,
         })
+    for _, _, slow in slowest:
+        slow["tenant"] = label[slow["tenant"]]
     return {
         "generated": now.strftime("%Y-%m-%d %H:%M UTC"),
         "since": since.strftime("%Y-%m-%dT%H:00"),
@@ -92,7 +113,7 @@ def summarize(engine: Engine, config: GatewayConfig, hours: int, now: datetime |
         "tenants": {
             name: {**stats.to_dict(), "saved_tokens": stats.cached_tokens,
                    "saved_cost": saved_cost(stats.cached_tokens, config)}
-            for name, stats in sorted(tenants.items())
+            for name, stats in sorted(by_label.items())
         },
         "series": series,
         "warnings": [{"code": code, "count": count}

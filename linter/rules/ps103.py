@@ -8,8 +8,9 @@ Why it matters
     signals instructions that change per turn.
 
 Anti-pattern
-    [{"role": "system", ...}, {"role": "user", ...}, {"role": "assistant", ...},
-     {"role": "system", "content": "Now answer in French."}, {"role": "user", ...}]
+    [{"role": "system", "content": "You are a travel agent."}, {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello! Where to?"},
+     {"role": "system", "content": "Now answer in French."}, {"role": "user", "content": "Paris."}]
 
 Better
     Keep all instructions in the leading system message; give per-turn guidance

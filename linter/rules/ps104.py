@@ -9,7 +9,7 @@ Why it matters
     spelling per value, so equal data is always equal text.
 
 Anti-pattern
-    "parameters": {"type": "object", "properties": {"unit": ..., "city": ...}, "required": [...]}
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string"}, "city": {"type": "string"}}}
     "arguments": "{\\"unit\\": \\"C\\",  \\"city\\": \\"Paris\\"}"
 
 Better

@@ -1,4 +1,4 @@
-"""PS301 volatile-call-in-instructions: ``datetime.now()``, ``time.time()``, ``uuid4()`` or a random value reaches the static prefix.
+r"""PS301 volatile-call-in-instructions: ``datetime.now()``, ``time.time()``, ``uuid4()`` or a random value reaches the static prefix.
 
 Why it matters
     Code that writes the current time, a random number, an id or a nonce into
@@ -7,12 +7,23 @@ Why it matters
     seen in a request log).
 
 Anti-pattern
+    from datetime import date
+
+    from pydantic_ai import Agent
+
+    agent = Agent("openai:gpt-4o")
+
     @agent.system_prompt
     def add_date() -> str:
         return f"You are a helper. Today is {date.today()}."
 
 Better
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+    from datetime import date
+
+    SYSTEM_PROMPT = "You are a helper."
+
+    def messages_for(question: str) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": f"(Today is {date.today()})\n{question}"}]
 
 Default rule. Detected: a volatile call (datetime/date ``now``/``utcnow``/``today``,

@@ -7,11 +7,20 @@ Why it matters
     the first reordered key: everything after it is recomputed.
 
 Anti-pattern
-    limits = {name: LIMITS[name] for name in enabled_plans}      # enabled_plans is a set
+    import json
+
+    LIMITS = {"free": 10, "pro": 100, "team": 1000}
+    enabled_plans = {"free", "pro"}
+    limits = {name: LIMITS[name] for name in enabled_plans}
     system = "Limits: " + json.dumps(limits)
 
 Better
-    json.dumps(limits, sort_keys=True)   # or build the dict from sorted(enabled_plans)
+    import json
+
+    LIMITS = {"free": 10, "pro": 100, "team": 1000}
+    enabled_plans = {"free", "pro"}
+    limits = {name: LIMITS[name] for name in sorted(enabled_plans)}
+    system = "Limits: " + json.dumps(limits, sort_keys=True)
 
 Default rule. Only dicts whose key order can vary are reported (built by a
 comprehension over a set or a directory listing, ``dict.fromkeys(a_set)``): a

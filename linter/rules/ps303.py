@@ -9,12 +9,18 @@ Why it matters
     is reused.
 
 Anti-pattern
-    enabled = {"search", "calendar"} | extra
+    TOOL_SPECS = {"search": {"type": "function"}, "calendar": {"type": "function"}}
+    UNITS = {"celsius", "fahrenheit"}
+    enabled = {"search", "calendar"}
     tools = [TOOL_SPECS[name] for name in enabled]
-    description = f"Allowed units: {', '.join(UNITS)}"           # UNITS is a module-level set
+    system_prompt = f"Allowed units: {', '.join(UNITS)}"
 
 Better
+    TOOL_SPECS = {"search": {"type": "function"}, "calendar": {"type": "function"}}
+    UNITS = {"celsius", "fahrenheit"}
+    enabled = {"search", "calendar"}
     tools = [TOOL_SPECS[name] for name in sorted(enabled)]
+    system_prompt = f"Allowed units: {', '.join(sorted(UNITS))}"
 
 Default rule. Detected: a set literal, set comprehension, ``set()``/``frozenset()``,
 set operations, a set-annotated name, ``os.listdir``/``glob``/``Path.iterdir``

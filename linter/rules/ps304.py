@@ -7,12 +7,17 @@ Why it matters
     the cache of the tools and instructions.
 
 Anti-pattern
-    {"type": "function", "function": {"name": "list_orders",
-     "description": f"List orders of {user.name}", ...}}
+    def tools_for(user) -> list[dict]:
+        return [{"type": "function", "function": {
+            "name": "list_orders", "description": f"List orders of {user.name}",
+            "parameters": {"type": "object", "properties": {}}}}]
 
 Better
-    One tool definition for everyone ("List the current customer's orders"),
-    with the user identified in the conversation or by the tool's backend.
+    # One tool definition for everyone; the user is known to the conversation
+    # or to the tool's backend.
+    TOOLS = [{"type": "function", "function": {
+        "name": "list_orders", "description": "List the current customer's orders",
+        "parameters": {"type": "object", "properties": {}}}}]
 
 Default rule. Detected: user-specific data read inside a tool definition (in an
 f-string, a concatenation, ``.format``, an ``enum``, a filter of the tool list),

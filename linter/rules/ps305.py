@@ -8,12 +8,22 @@ Why it matters
     (``del history[1]``, ``history.pop(1)``) does the same.
 
 Anti-pattern
-    def get_messages(self, limit: int) -> list[dict]:
-        return self.items[-limit:]
+    class ChatSession:
+        def __init__(self) -> None:
+            self.items: list[dict] = []
+
+        def get_messages(self, limit: int) -> list[dict]:
+            return self.items[-limit:]
 
 Better
-    Append only; when the context is full, compact once (replace many old turns
-    with a summary in one step) and then keep appending, so most turns hit the cache.
+    # Append only; when the context is full, compact once (replace many old turns
+    # with a summary in one step) and then keep appending, so most turns hit the cache.
+    class ChatSession:
+        def __init__(self) -> None:
+            self.items: list[dict] = []
+
+        def get_messages(self) -> list[dict]:
+            return self.items
 
 Default rule. Detected: a slice that keeps the last N turns (``[-10:]``,
 ``[-limit:]``, ``[len(x) - n:]``; not ``[-1:]``, the last message, and not a

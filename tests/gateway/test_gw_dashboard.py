@@ -35,16 +35,16 @@ def seed(db_url: str, now: datetime | None = None) -> datetime:
     hour = timedelta(hours=1)
 
     def row(at: datetime, tenant: str | None, prompt: int | None, cached: int | None, ttft: float | None,
-            warnings: str = "", status: int = 200, model: str | None = "smol") -> dict[str, Any]:
+            warnings: str = "", status: int = 200, model: str | None = "smol", stream: bool = True) -> dict[str, Any]:
         return {"time": at, "tenant": tenant, "endpoint": "chat.completions", "model": model, "upstream": "http://u",
-                "status": status, "stream": False, "prompt_tokens": prompt, "cached_tokens": cached,
-                "completion_tokens": 5 if prompt else None, "ttft_ms": ttft, "latency_ms": 1.0,
-                "warning_codes": warnings}
+                "status": status, "stream": stream, "prompt_tokens": prompt, "cached_tokens": cached,
+                "completion_tokens": 5 if prompt else None, "ttft_ms": ttft,
+                "latency_ms": 2 * ttft if ttft is not None else 1.0, "warning_codes": warnings}
 
     rows = [
         row(now - 2 * hour, "alpha", 100, 50, 120.0, "PS101,PS104"),
         row(now - hour, "alpha", 200, 180, 950.5),
-        row(now - hour, "beta", 100, 0, 30.0, "PS101"),
+        row(now - hour, "beta", 100, 0, 3000.0, "PS101", stream=False),  # its "TTFT" is its latency
         row(now, "beta", 100, None, None),
         row(now, None, None, None, None, status=401, model=None),
         row(now - timedelta(days=8), "alpha", 1000, 1000, 5000.0, "PS999"),  # outside the week
@@ -91,7 +91,8 @@ def test_summary_numbers_from_a_real_sqlite_file(tmp_path):
     assert [point["hit_rate"] for point in data["series"]["alpha"]] == [0.5, 0.9]
     assert [point["cached_tokens"] for point in data["series"]["beta"]] == [0, 0]
     assert data["warnings"] == [{"code": "PS101", "count": 2}, {"code": "PS104", "count": 1}]
-    assert [entry["ttft_ms"] for entry in data["slowest"]] == [950.5, 120.0, 30.0]
+    # Only streamed requests have a time to first token of their own; latency beside it.
+    assert [(entry["ttft_ms"], entry["latency_ms"]) for entry in data["slowest"]] == [(950.5, 1901.0), (120.0, 240.0)]
     assert data["slowest"][0]["tenant"] == "alpha"
 
 
@@ -123,7 +124,7 @@ def test_page_headers_and_no_way_out_of_the_data_island(tmp_path):
         connection.execute(insert(request_log), [{
             "time": datetime.now(UTC).replace(tzinfo=None), "tenant": "alpha", "endpoint": "chat.completions",
             "model": "</script><script>alert(1)</script>", "upstream": "http://u", "status": 200,
-            "stream": False, "ttft_ms": 99999.0, "latency_ms": 1.0, "warning_codes": ""}])
+            "stream": True, "ttft_ms": 99999.0, "latency_ms": 1.0, "warning_codes": ""}])
     engine.dispose()
     (page,) = get(settings, ("/dashboard", {}))
     csp = page.headers["content-security-policy"]
@@ -138,3 +139,43 @@ def test_parse_hours():
     for bad in ("0", "-3", "1.5", "x", str(90 * 24 + 1)):
         with pytest.raises(ValueError, match="hours"):
             parse_hours(bad)
+
+
+def open_rows(now: datetime, keys: list[str]) -> list[dict[str, Any]]:
+    """One streamed row per key in open mode (tenant ``open_tenant_id(key)``), key i sending i+1 rows."""
+    from gateway.tenant_names import open_tenant_id
+
+    return [{"time": now - timedelta(minutes=i % 50), "tenant": open_tenant_id(key), "endpoint": "chat.completions",
+             "model": "smol", "upstream": "http://u", "status": 200, "stream": True, "prompt_tokens": 100,
+             "cached_tokens": 10 * (i % 10), "completion_tokens": 5, "ttft_ms": 10.0 + i, "latency_ms": 50.0 + i,
+             "warning_codes": ""}
+            for i, key in enumerate(keys) for _ in range(i + 1)]
+
+
+def test_open_mode_tenants_are_labelled_and_charted_top_ten_plus_others(tmp_path):
+    from gateway.tenant_names import label_of_key, open_tenant_id
+
+    settings = make_settings(tmp_path)
+    now = seed(settings.db_url)
+    keys = [f"sk-user-{i:02d}-secret" for i in range(25)]
+    legacy = "open-" + open_tenant_id(keys[24])[5:17]  # the same key's id as versions before 128 bits wrote it
+    engine = database.create_db_engine(settings.db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(request_log), open_rows(now, keys))
+        connection.execute(insert(request_log), [{**open_rows(now, keys[24:])[0], "tenant": legacy}])
+    engine.dispose()
+    (page,) = get(settings, ("/dashboard", {}))
+    data = island(page.text)
+    for key in keys:
+        assert key not in page.text and open_tenant_id(key) not in page.text
+    assert legacy not in page.text
+    labels = {label_of_key(key) for key in keys}
+    assert labels <= set(data["tenants"]) and len(labels) == 25
+    assert data["tenants"][label_of_key(keys[24])]["requests"] == 26  # 25 rows + the legacy one, merged
+    # The ten busiest tenants have their own line, the other 18 (15 keys, alpha, beta, unauthenticated) one.
+    busiest = [label_of_key(key) for key in reversed(keys[15:])]
+    assert list(data["series"]) == [*sorted(busiest), "(others)"]
+    others = data["series"]["(others)"]
+    in_others = [t for name, t in data["tenants"].items() if name not in data["series"]]
+    assert sum(p["requests"] for p in others) == sum(t["requests"] for t in in_others)
+    assert {entry["tenant"] for entry in data["slowest"]} == {"alpha", label_of_key(keys[24])}

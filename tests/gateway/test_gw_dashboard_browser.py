@@ -16,11 +16,12 @@ import pytest
 from gw_chromium import chromium, chromium_binary
 from gw_fakes import make_settings, serve_in_thread
 from sqlalchemy import insert, text
-from test_gw_dashboard import ADMIN, CONFIG, seed
+from test_gw_dashboard import ADMIN, CONFIG, open_rows, seed
 
 from gateway import database
 from gateway.app import create_app
 from gateway.stats_table import request_log
+from gateway.tenant_names import label_of_key, open_tenant_id
 
 pytestmark = [
     pytest.mark.skipif(chromium_binary() is None, reason="no Chromium here (apt-get install chromium)"),
@@ -37,11 +38,12 @@ def more_traffic(db_url: str, now) -> None:
         for _ in range(4):
             prompt = rng.randint(800, 2400)
             cached = int(prompt * min(0.95, 0.2 + 0.03 * (24 - hours_ago)) // 16 * 16)
+            ttft = 40 + (prompt - cached) * 0.4
             rows.append({
                 "time": now - timedelta(hours=hours_ago, minutes=rng.randint(0, 50)), "tenant": "gamma",
                 "endpoint": "chat.completions", "model": "smol", "upstream": "http://u", "status": 200,
                 "stream": True, "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": 20,
-                "ttft_ms": 40 + (prompt - cached) * 0.4, "latency_ms": 400.0,
+                "ttft_ms": ttft, "latency_ms": ttft + 360.0,
                 "warning_codes": "PS101" if hours_ago > 12 else "",
             })
     engine = database.create_db_engine(db_url)
@@ -57,7 +59,7 @@ def expected(db_url: str, since) -> tuple[str, float]:
         cached, prompt = connection.execute(text(
             "SELECT sum(cached_tokens), sum(prompt_tokens) FROM request_log "
             "WHERE cached_tokens IS NOT NULL AND time >= :since"), {"since": since}).one()
-        slowest = connection.execute(text("SELECT max(ttft_ms) FROM request_log WHERE time >= :since"),
+        slowest = connection.execute(text("SELECT max(ttft_ms) FROM request_log WHERE stream AND time >= :since"),
                                      {"since": since}).scalar_one()
     engine.dispose()
     return f"{100 * cached / prompt:.1f}%", slowest
@@ -96,3 +98,46 @@ def test_dashboard_renders_a_real_database_without_console_errors(tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get("PREFIXGATE_UPDATE_SCREENSHOTS") == "1":
         SCREENSHOT.write_bytes(shot.read_bytes())
+
+
+def test_twenty_five_open_mode_tenants_get_labels_and_distinct_colours(tmp_path):
+    """Open mode, 25 keys: every tenant is named by its short label (what ``prefixgate keys
+    label`` prints), never by its key or full id; the charts draw the ten busiest and
+    "(others)", each line in a colour of its own, the legend and the table agree."""
+    settings = make_settings(tmp_path)
+    now = seed(settings.db_url)
+    keys = [f"sk-user-{i:02d}-secret" for i in range(25)]
+    engine = database.create_db_engine(settings.db_url)
+    with engine.begin() as connection:
+        connection.execute(insert(request_log), open_rows(now, keys))
+    engine.dispose()
+    app = create_app(settings, httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500))))
+    with serve_in_thread(app) as url, chromium(tmp_path / "profile") as page:
+        page.call("Page.navigate", url=url + "/dashboard")
+        page.wait_for("Page.loadEventFired")
+        assert page.evaluate("document.body.dataset.rendered") == "true"
+        shown = page.evaluate("document.body.innerText")
+        for key in keys:
+            assert key not in shown and open_tenant_id(key) not in shown
+        tenants = page.evaluate("[...document.querySelectorAll('#tenants tbody tr')].map(r => r.cells[0].textContent)")
+        assert len(tenants) == 28 and {label_of_key(key) for key in keys} <= set(tenants)
+        for chart in ("hit-rate-chart", "cached-chart"):
+            lines = page.evaluate(f"[...document.querySelectorAll('#{chart} polyline')]"
+                                  ".map(p => [p.dataset.tenant, p.getAttribute('stroke')])")
+            assert [name for name, _ in lines] == [*sorted(label_of_key(k) for k in keys[15:]), "(others)"]
+            assert len({colour for _, colour in lines}) == 11, lines  # no colour used twice
+            legend = page.evaluate(f"[...document.querySelectorAll('#{chart} .legend > span')]"
+                                   ".map(s => [s.textContent, s.dataset.color])")
+            assert legend == lines
+        swatches = page.evaluate("[...document.querySelectorAll('#tenants tbody tr')]"
+                                 ".filter(r => r.querySelector('.swatch')).map(r => r.cells[0].textContent)")
+        assert sorted(swatches) == sorted(label_of_key(k) for k in keys[15:])
+        slowest = page.evaluate("[...document.querySelectorAll('#slowest tbody tr')]"
+                                ".map(r => [...r.cells].map(c => c.textContent))")
+        assert slowest[0][1] == "alpha" and slowest[0][3:5] == ["950.5", "1901.0"]  # TTFT, latency beside it
+        assert slowest[2][1] == label_of_key(keys[24]) and slowest[2][3:5] == ["34.0", "74.0"]
+        assert all(row[1] != "beta" for row in slowest)  # beta's only timed request was not streamed
+        page.screenshot(tmp_path / "many.png")
+        if os.environ.get("PREFIXGATE_KEEP_SCREENSHOT"):
+            (Path(os.environ["PREFIXGATE_KEEP_SCREENSHOT"])).write_bytes((tmp_path / "many.png").read_bytes())
+        assert page.problems() == []

@@ -346,3 +346,30 @@ def test_an_image_changed_between_turns_is_warned_with_the_tokens_lost(tmp_path,
         (warning,) = found
         assert warning["code"] == "PS207" and warning["location"] == "messages[0].content[1]", (side, warning)
         assert warning["tokens_lost"] >= 255 - 16  # at least the image's own estimate (one 512-px tile)
+
+
+def test_large_bodies_are_parsed_and_canonicalized_off_the_event_loop(tmp_path, fake_upstream, monkeypatch):
+    """Past 64 KiB, parsing, canonicalization and encoding the upstream body run on a
+    thread (they grow with the body); small bodies stay on the loop (a hand-off costs
+    more than they do). The answer is the same either way."""
+    import gateway.proxy as proxy
+
+    seen: list[tuple[int, bool]] = []
+    real = proxy.canonicalize
+
+    def watched(body, switches):
+        seen.append((len(body["messages"]), asyncio._get_running_loop() is not None))
+        return real(body, switches)
+
+    monkeypatch.setattr(proxy, "canonicalize", watched)
+    small = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+    large = {"model": "fake-model", "messages": [{"role": "user", "content": f"word {i}"} for i in range(8000)]}
+    assert len(orjson.dumps(large)) > proxy.LOOP_MAX_BODY_BYTES
+
+    async def go():
+        async with gateway_client(make_settings(tmp_path, CONFIG), httpx.ASGITransport(fake_upstream.app)) as gw:
+            return [await gw.post("/v1/chat/completions", json=body, headers=auth(KEY_A)) for body in (small, large)]
+
+    answers = run(go())
+    assert [a.status_code for a in answers] == [200, 200]
+    assert seen == [(1, True), (8000, False)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
+
 from gateway.prefix_warner import BUDGET_CODE, PrefixWarner, PrefixWarning, bound_warnings
 from gateway.shared_history import HistoryClient, HistoryServer
 from linter.api import conversation_keys
@@ -206,3 +208,87 @@ def test_the_budget_counts_from_the_send_not_from_the_history_exchange():
 
     warnings = asyncio.run(go())
     assert warnings and BUDGET_CODE not in [w.code for w in warnings] and warnings[0].code == "PS101"
+
+
+def blank_png_url(side: int, seed: int) -> str:
+    """A ``side``x``side`` 1-bit PNG of zeros but one pixel (~600 bytes for 2048x2048)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    image = Image.new("1", (side, side), 0)
+    image.putpixel((seed % side, seed // side), 1)
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def nine_image_turns(count: int) -> list[dict]:
+    """``count`` turns of one conversation whose first message carries nine 2048x2048 images."""
+    parts = [{"type": "image_url", "image_url": {"url": blank_png_url(2048, seed)}} for seed in range(9)]
+    messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Compare."}, *parts]}]
+    turns = []
+    for n in range(count):
+        turns.append({"model": "m", "messages": list(messages)})
+        messages += [{"role": "assistant", "content": f"Answer {n}."}, {"role": "user", "content": "Sure?"}]
+    return turns
+
+
+def test_pixel_rate_refills_per_second_and_caps_each_request():
+    from gateway.pixel_rate import PixelRate
+
+    now = [0.0]
+    rate = PixelRate(per_request=100, per_second=300, clock=lambda: now[0])
+    assert rate.allowance("a") == 100
+    rate.charge("a", 100)
+    rate.charge("a", 150)
+    assert rate.allowance("a") == 50 and rate.allowance("b") == 100  # tenants apart
+    rate.charge("a", 500)
+    assert rate.allowance("a") == 0
+    now[0] = 0.2
+    assert rate.allowance("a") == 60
+    now[0] = 60.0
+    rate.charge("a", 250)
+    assert rate.allowance("a") == 50  # refilled to one second's worth (300), not 60 seconds'
+
+
+def test_images_are_decoded_in_the_helper_within_the_tenants_pixel_rate(monkeypatch):
+    """Nine 2048x2048 images in an 8 KiB body: never decoded in the gateway's process (on
+    the event loop or a thread, the GIL would stall every request), at most the tenant's
+    pixels per request and per second, each image once, and the turns still compared
+    correctly (the same images: no PS207), however many were decoded."""
+    import linter.image_parts as image_parts
+    from gateway.pixel_rate import PixelRate
+
+    turns = nine_image_turns(4)
+    size = len(orjson.dumps(turns[-1]))
+    assert size <= 8 * 1024
+
+    def not_here(data: bytes, max_pixels: int):
+        raise AssertionError("an image was decoded in the gateway's process")
+
+    monkeypatch.setattr(image_parts, "image_identity", not_here)
+    now = [0.0]
+    one = 2048 * 2048
+    rate = PixelRate(per_request=2 * one, per_second=3 * one, clock=lambda: now[0])
+    charged: list[int] = []
+    real_charge = rate.charge
+    monkeypatch.setattr(rate, "charge", lambda tenant, pixels: (charged.append(pixels), real_charge(tenant, pixels)))
+    warner = PrefixWarner(pixels=rate, budget_s=60.0)
+
+    async def go() -> None:
+        for n, body in enumerate(turns):
+            if n == 3:
+                now[0] += 10.0
+            found = await warner.check_within_budget("noisy", body, body, body_size=size, conversation_header="c")
+            assert not [w for w in found if w.code.startswith("PS2") or w.code == BUDGET_CODE], found
+
+    try:
+        asyncio.run(go())
+    finally:
+        warner.close()
+    # The first turn names no image; the second decodes its cap (2 images), the third what
+    # is left of the tenant's second (3 - 2), the fourth, a second later, its cap again:
+    # the helper remembers the images it decoded, so each is decoded once.
+    assert charged == [0, 2 * one, 1 * one, 2 * one]
