@@ -51,6 +51,7 @@ from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
 from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
+from engine.server.pixel_budget import PixelBudget
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
 from engine.server.responses import ResponsesBuilder, responses_param, translate
@@ -121,6 +122,7 @@ class RequestHandler:
             allow_remote_images=media.allows_remote,
             fetch=media.fetcher(),
             image_processor=getattr(engine, "image_processor", None),
+            pixel_budget=PixelBudget(media.max_pixels_in_flight),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))

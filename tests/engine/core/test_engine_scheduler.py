@@ -200,7 +200,7 @@ def test_random_tenants_keep_every_invariant(seed):
                  max_num_batched_tokens=rng.choice([3, 8, 32]))
     sched.reserve_horizon = rng.choice([1, 4, 1024])
     done = 0
-    for step in range(200):
+    for _ in range(200):
         if rng.random() < 0.3:
             sched.add(request(rng.randint(1, 40), max_tokens=rng.randint(1, 12), offset=rng.choice([0, 500]),
                               tenant=rng.choice(["A", "B", "C", None])))
