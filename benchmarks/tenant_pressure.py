@@ -18,6 +18,7 @@ Two cases (issue 29, items 2 and 3), each against a real engine process on loopb
 
 Prints a table and writes benchmarks/results/tenant_pressure.json.
 Usage: python benchmarks/tenant_pressure.py [--only prefill|images] [--quiet-requests 20]
+       [--max-image-pixels 0 --engine-root ../other-checkout]   (the images case on an older engine)
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ IMAGE_SIDE = 6320
 
 
 @contextlib.contextmanager
-def engine(*flags: str, log: Path) -> Iterator[tuple[str, int]]:
-    """``prefixgate engine`` with ``flags``; yields (base URL, pid)."""
+def engine(*flags: str, log: Path, root: Path = ROOT) -> Iterator[tuple[str, int]]:
+    """``prefixgate engine`` of the checkout ``root`` with ``flags``; yields (base URL, pid)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PREFIXGATE_ENGINE_API_KEY", None)
     argv = [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port), "--log-level", "warning", *flags]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -203,9 +204,10 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model_dir = build_tiny_llava(str(ensure_converted_model()), workdir / "tiny-llava")
     per_request = 8
     urls = zero_pngs(args.image_requests * per_request, Path(tempfile.gettempdir()) / "prefixgate-bench-images")
-    flags = ["--model", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "0.05",
-             "--max-image-pixels-in-flight", str(args.max_image_pixels)]
-    with engine(*flags, log=workdir / "engine-images.log") as (url, pid):
+    flags = ["--model", str(model_dir), "--dtype", "float32", "--kv-cache-memory", "0.05"]
+    if args.max_image_pixels:
+        flags += ["--max-image-pixels-in-flight", str(args.max_image_pixels)]
+    with engine(*flags, log=workdir / "engine-images.log", root=args.engine_root) as (url, pid):
         asyncio.run(quiet_requests(url, 3, "quiet"))
         idle_rss = rss_mib(pid)
         peak = [idle_rss]
@@ -252,7 +254,10 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--image-requests", type=int, default=4)
-    parser.add_argument("--max-image-pixels", type=int, default=80_000_000)
+    parser.add_argument("--max-image-pixels", type=int, default=320_000_000,
+                        help="--max-image-pixels-in-flight of the images case (0: not passed, for older engines)")
+    parser.add_argument("--engine-root", type=Path, default=ROOT,
+                        help="checkout whose engine the images case runs (another one's for a before/after)")
     args = parser.parse_args()
     results: dict[str, Any] = {"machine": platform.machine(), "cpus": os.cpu_count(),
                                "load_before": os.getloadavg()[0], "args": vars(args)}
@@ -265,7 +270,7 @@ def main() -> int:
     results["load_after"] = os.getloadavg()[0]
     print_table(results)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    RESULTS.write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 
