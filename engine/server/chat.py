@@ -38,7 +38,9 @@ with the rendering.
   ``tokens_per_image`` positions covered by the item (no model consumes them).
 
 The template is rendered to text and then encoded without added special tokens, all
-under one lock (HF tokenizers are not safe to share).
+under one lock (HF tokenizers are not safe to share); a vision-language model's images
+and text go through its processor under the processor's own lock and with its own
+copy of the tokenizer, so text-only requests never wait for another request's images.
 """
 
 from __future__ import annotations
@@ -150,9 +152,12 @@ class ChatRenderer:
             except Exception as exc:  # jinja errors, raise_exception(...) in templates
                 raise invalid_param(f"The chat template rejected the messages: {exc}", "messages",
                                     "invalid_messages") from exc
-            if self.image_processor is not None:
-                return self._process(text, images)
-            token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if self.image_processor is None or not images:
+                token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if self.image_processor is not None:
+            # The processor has its own lock and tokenizer: a request's images are processed
+            # (seconds for large ones) without holding up text-only requests on this lock.
+            return self._process(text, images) if images else self._text_only(token_ids)
         if not images:
             return ChatPrompt(token_ids)
         return self._expand_images(token_ids, images)
@@ -228,8 +233,20 @@ class ChatRenderer:
         except ValueError as exc:
             raise invalid_param(f"{image.param}: {exc}", image.param) from exc
 
+    def _text_only(self, token_ids: list[int]) -> ChatPrompt:
+        """A vision-language model's prompt without images: the processor's tokenizer gives
+        the same ids, and an image token written in text is refused as the processor would."""
+        assert self.image_processor is not None
+        found = token_ids.count(self.image_processor.image_token_id)
+        if found:
+            raise invalid_param(
+                f"The images could not be placed in the prompt: the prompt has {found} image tokens but "
+                f"no images; do not write the image placeholder {self.image_processor.image_text!r} in text",
+                "messages")
+        return ChatPrompt(token_ids)
+
     def _process(self, text: str, images: list[ImageData]) -> ChatPrompt:
-        """The checkpoint's processor over the rendered text and the images (lock held)."""
+        """The checkpoint's processor over the rendered text and the images (its own lock)."""
         assert self.image_processor is not None
         try:
             out = self.image_processor.encode(text, [i.image for i in images], [i.sha256 for i in images])
