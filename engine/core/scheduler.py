@@ -16,7 +16,10 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_token
    another tenant's long prompt: one tenant's long prompts delay another's short
    request by at most the forward already under way. Within a tenant, the oldest
    request takes the tenant's share first (its chunk takes all of it until its
-   last chunk), as before.
+   last chunk), as before. In the step where a tenant arrives beside tenants
+   already prefilling, every tenant gets at most the newcomer's demand, so that
+   forward costs about what the newcomer's costs alone (never two such steps in a
+   row: the others keep at least every other full step).
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -150,6 +153,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
+        self._capped_last = False  # the previous step's prefill was capped for a newcomer
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission."""
@@ -178,7 +182,9 @@ class Scheduler:
                 self._run(req, 1, step)
         queues = self._prefill_queues()
         order = sorted(queues, key=lambda t: self._last_served.get(t, -1))
-        shares = _water_fill({t: sum(r.num_uncomputed_tokens for r in queues[t]) for t in order}, step.budget)
+        demands = {t: sum(r.num_uncomputed_tokens for r in queues[t]) for t in order}
+        step.budget = self._newcomer_cap(demands, step.budget)
+        shares = _water_fill(demands, step.budget)
         carry = 0
         for tenant in order:
             allowance = min(shares[tenant] + carry, step.budget)
@@ -189,6 +195,18 @@ class Scheduler:
         for tenant in [t for t in self._last_served if t not in queues]:
             del self._last_served[tenant]
         return step.out
+
+    def _newcomer_cap(self, demands: dict[str | None, int], budget: int) -> int:
+        """The prefill budget of this step: when a tenant arrives (no prefill work in the
+        previous step) beside tenants already prefilling, the step gives every tenant at
+        most the newcomers' largest demand, so the newcomer's first forward costs about
+        what it costs alone; never two such steps in a row, so the others lose at most
+        every other full step to newcomers."""
+        new = [d for t, d in demands.items() if t not in self._last_served]
+        capped = bool(new) and len(new) < len(demands) and not self._capped_last
+        cap = max(new) * len(demands) if capped else budget
+        self._capped_last = cap < budget
+        return min(cap, budget)
 
     def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:
         """Each tenant's prefill work in order: its running prefilling requests (admission

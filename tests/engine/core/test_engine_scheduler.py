@@ -114,10 +114,28 @@ def test_a_short_request_of_another_tenant_runs_in_the_next_step_beside_a_long_p
     finish_step(sched, sched.schedule())
     sched.add(short)
     out = sched.schedule()
-    assert plan_of(out, names) == [("q", 0, 3), ("a", 10, 7)]  # q first (served least recently), a gets the rest
+    # q first (served least recently); a's chunk no larger than q's: the step costs about q's alone
+    assert plan_of(out, names) == [("q", 0, 3), ("a", 10, 3)]
     finish_step(sched, out)
     out = sched.schedule()
-    assert plan_of(out, names) == [("q", 3, 1), ("a", 17, 9)]  # q decodes first; b still waits behind a
+    assert plan_of(out, names) == [("q", 3, 1), ("a", 13, 9)]  # q decodes first; b still waits behind a
+
+
+def test_newcomers_never_cap_two_steps_in_a_row():
+    sched = make(max_num_batched_tokens=10)
+    heavy = request(100, tenant="A")
+    sched.add(heavy)
+    finish_step(sched, sched.schedule())
+    sizes = []
+    for i in range(4):  # a new tenant every step
+        sched.add(request(2, max_tokens=1, offset=200 + 10 * i, tenant=f"Q{i}"))
+        out = sched.schedule()
+        sizes.append(next(s.num_new_tokens for s in out.scheduled if s.request is heavy))
+        answered = [s.request for s in out.scheduled if s.request is not heavy and s.samples]
+        finish_step(sched, out)
+        for req in answered:  # max_tokens=1: done after its first token
+            sched.finish(req)
+    assert sizes == [2, 8, 2, 8]  # capped to the newcomer's 2 tokens, then a full share
 
 
 def test_tenants_with_long_prompts_share_each_step_equally():
