@@ -154,6 +154,7 @@ class Scheduler:
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
         self._capped_last = False  # the previous step's prefill was capped for a newcomer
+        self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission."""
@@ -202,10 +203,11 @@ class Scheduler:
         most the newcomers' largest demand, so the newcomer's first forward costs about
         what it costs alone; never two such steps in a row, so the others lose at most
         every other full step to newcomers."""
-        new = [d for t, d in demands.items() if t not in self._last_served]
+        new = [d for t, d in demands.items() if t not in self._prefilling_before]
         capped = bool(new) and len(new) < len(demands) and not self._capped_last
         cap = max(new) * len(demands) if capped else budget
         self._capped_last = cap < budget
+        self._prefilling_before = set(demands)
         return min(cap, budget)
 
     def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:

@@ -228,7 +228,8 @@ def test_random_tenants_keep_every_invariant(seed):
         assert len(out.scheduled) == len({s.request for s in out.scheduled})
         assert len(sched.running) <= sched.max_num_seqs
         assert sched.reserved_blocks <= sched.num_blocks
-        assert set(sched._last_served) <= {r.tenant for r in sched.all_requests()}  # bounded by the work
+        tenants = {r.tenant for r in sched.all_requests()}
+        assert set(sched._last_served) <= tenants and sched._prefilling_before <= tenants  # bounded by the work
         for s in out.scheduled:
             assert s.request in sched.running and s.start == s.request.num_computed_tokens
             assert s.start == computed_before.get(s.request, s.start)
@@ -243,3 +244,17 @@ def test_random_tenants_keep_every_invariant(seed):
     sched.kv_cache_manager.check_integrity()
     assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
     assert done > 0
+
+
+def test_a_tenant_that_cannot_be_admitted_is_a_newcomer_once():
+    sched = make(max_num_batched_tokens=10, max_num_seqs=1)
+    heavy = request(100, tenant="A")
+    sched.add(heavy)
+    finish_step(sched, sched.schedule())
+    sched.add(request(2, tenant="Q"))  # cannot run: max_num_seqs is taken
+    sizes = []
+    for _ in range(4):
+        out = sched.schedule()
+        sizes.append(out.num_tokens)
+        finish_step(sched, out)
+    assert sizes == [4, 10, 10, 10]
