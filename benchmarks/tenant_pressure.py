@@ -155,11 +155,14 @@ def case_prefill(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         asyncio.run(quiet_requests(url, 3, "quiet"))  # warm-up
         idle = asyncio.run(quiet_requests(url, args.quiet_requests, "quiet"))
         fair, heavy_fair = asyncio.run(loaded(url, args, args.quiet_requests, header=True))
-        fcfs, heavy_fcfs = asyncio.run(loaded(url, args, args.fcfs_requests, header=False))
-    result = {"idle": percentiles(idle), "tenant_header": percentiles(fair),
-              "shared_key_fcfs": percentiles(fcfs), "heavy_prompts_sent": heavy_fair + heavy_fcfs}
+        fcfs, heavy_fcfs = (asyncio.run(loaded(url, args, args.fcfs_requests, header=False))
+                            if args.fcfs_requests else ([], 0))
+    result: dict[str, Any] = {"idle": percentiles(idle), "tenant_header": percentiles(fair),
+                              "heavy_prompts_sent": heavy_fair + heavy_fcfs}
     result["p99_ratio_tenant_header"] = result["tenant_header"]["p99_ms"] / result["idle"]["p99_ms"]
-    result["p99_ratio_shared_key"] = result["shared_key_fcfs"]["p99_ms"] / result["idle"]["p99_ms"]
+    if fcfs:
+        result["shared_key_fcfs"] = percentiles(fcfs)
+        result["p99_ratio_shared_key"] = result["shared_key_fcfs"]["p99_ms"] / result["idle"]["p99_ms"]
     return result
 
 
@@ -247,7 +250,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("prefill", "images"), default=None)
     parser.add_argument("--quiet-requests", type=int, default=20)
-    parser.add_argument("--fcfs-requests", type=int, default=3, help="quiet requests in the FCFS run (slow)")
+    parser.add_argument("--fcfs-requests", type=int, default=3,
+                        help="quiet requests in the shared-key (FCFS) run, slow; 0 skips it")
     parser.add_argument("--heavy-tokens", type=int, default=8000)
     parser.add_argument("--heavy-streams", type=int, default=2)
     parser.add_argument("--heavy-head-start", type=float, default=2.0)
@@ -283,6 +287,8 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"  {'case':<28} {'n':>4} {'p50 ms':>10} {'p99 ms':>10} {'p99/idle':>9}")
         idle = p["idle"]["p99_ms"]
         for name in ("idle", "tenant_header", "shared_key_fcfs"):
+            if name not in p:
+                continue
             row = p[name]
             print(f"  {name:<28} {row['n']:>4} {row['p50_ms']:>10.1f} {row['p99_ms']:>10.1f} "
                   f"{row['p99_ms'] / idle:>8.2f}x")
