@@ -29,6 +29,11 @@ from engine.server.images import (
     MAX_IMAGES_PER_REQUEST,
     MediaPolicy,
 )
+from engine.server.pixel_budget import (
+    DEFAULT_MAX_PIXELS_IN_FLIGHT,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_WAIT_S,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +119,13 @@ def add_parser(subparsers: Any) -> None:
                         metavar="N",
                         help="image parts one request may carry; more is a 400 before any is decoded "
                         f"(default: {MAX_IMAGES_PER_REQUEST})")
+    parser.add_argument("--max-image-pixels-in-flight", type=_positive_int, default=DEFAULT_MAX_PIXELS_IN_FLIGHT,
+                        metavar="PIXELS",
+                        help="decoded image pixels all requests together may hold (each request reserves "
+                        "its images' width x height before decoding them); beyond it a request waits up to "
+                        f"{DEFAULT_WAIT_S:g} s behind at most {DEFAULT_MAX_WAITING} others, then gets a 429, "
+                        "and one needing more than the whole budget a 400 "
+                        f"(default: {DEFAULT_MAX_PIXELS_IN_FLIGHT:,}, eight images of 40 M pixels)")
     parser.add_argument("--allow-remote-images", nargs=0, action=_Replaced, help=argparse.SUPPRESS,
                         replacement="--allowed-media-domains HOST [HOST ...]")
     parser.add_argument("--no-prefix-caching", action="store_true",
@@ -154,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
 
             events_config = KVEventsConfig.from_json(args.kv_events_config)
         media = MediaPolicy(frozenset(args.allowed_media_domains), timeout_s=args.media_fetch_timeout,
-                            max_images_per_request=args.max_images_per_request)
+                            max_images_per_request=args.max_images_per_request,
+                            max_pixels_in_flight=args.max_image_pixels_in_flight)
     except ValueError as exc:
         logger.error("invalid engine settings: %s", exc)
         return 2

@@ -48,6 +48,8 @@ MAX_IMAGE_PIXELS = 40_000_000
 """Largest accepted ``width * height`` (an 8K frame is 33.2 M): a bound on decode memory."""
 
 HASH_VERSION = b"prefixgate/image/v1\0"
+HASH_STRIP_BYTES = 4 * 1024 * 1024
+"""About how many canonical pixel bytes :func:`content_hash` converts at a time."""
 _LOSSLESS_TO_RGBA = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA"})
 
 
@@ -112,14 +114,42 @@ def canonical_mode(mode: str) -> str:
 
 
 def content_hash(image: Image) -> str:
-    """Hex SHA256 over the canonical mode, the shape and the canonical pixel bytes (see module doc)."""
+    """Hex SHA256 over the canonical mode, the shape and the canonical pixel bytes (see module doc).
+
+    The pixels are converted and hashed in horizontal strips of about
+    :data:`HASH_STRIP_BYTES`: the same bytes in the same order as converting the whole
+    image, without a second full-size copy (and a third for ``tobytes``) of a large image."""
     mode = canonical_mode(image.mode)
-    pixels = image if image.mode == mode else image.convert(mode)
-    width, height = pixels.size
+    width, height = image.size
     digest = hashlib.sha256(HASH_VERSION)
     digest.update(f"{mode},{width},{height}".encode("ascii") + b"\0")
-    digest.update(pixels.tobytes())
+    rows = max(1, HASH_STRIP_BYTES // (4 * width))
+    for top in range(0, height, rows):
+        strip = image.crop((0, top, width, min(height, top + rows)))
+        digest.update((strip if strip.mode == mode else strip.convert(mode)).tobytes())
     return digest.hexdigest()
+
+
+def image_pixels(data: bytes) -> int:
+    """``width * height`` of the image ``data`` encodes, from its header alone (nothing is
+    decoded); ValueError as :func:`decode_image` would refuse it by its header."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # pragma: no cover - Pillow is an engine dependency
+        raise ValueError("decoding images needs Pillow (pip install pillow)") from exc
+    if not data:
+        raise ValueError("image is empty")
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            _check_header(image, MAX_IMAGE_PIXELS)
+            width, height = image.size
+    except UnidentifiedImageError as exc:
+        raise ValueError(f"image is not a {', '.join(FORMATS)} file Pillow can read") from exc
+    except Image.DecompressionBombError as exc:
+        raise ValueError(f"image has too many pixels (the limit is {MAX_IMAGE_PIXELS})") from exc
+    except (OSError, SyntaxError, EOFError) as exc:
+        raise ValueError(f"image could not be decoded ({exc})") from exc
+    return width * height
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ Invariants:
   scheduler reserves a step's slots right before its forward);
 * a request samples when its forward leaves ``num_computed_tokens == kv.num_tokens``;
 * ``num_cached_tokens`` is the prefix-cache hit taken at its first admission: whole
-  blocks, never the last prompt token.
+  blocks, never the last prompt token;
+* ``tenant`` (the scheduler's fairness key) is the request's tenant, else its cache
+  salt, else None (one shared tenant).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class EngineRequest:
         )
         self.num_prompt_tokens = self.kv.num_prompt_tokens
         self.mm_inputs = request.mm_inputs
+        self.tenant = request.tenant if request.tenant is not None else request.cache_salt
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.admitted = False

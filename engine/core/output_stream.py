@@ -27,7 +27,9 @@ class GenerationRequest:
 
     ``mm_inputs`` (:class:`~engine.multimodal.processor.ImageInput`, for a
     vision-language model) are one per ``mm_items`` entry, in the same order, with the
-    same identifiers and ranges."""
+    same identifiers and ranges. ``tenant`` names who the request is for, only to
+    share prefill fairly between tenants (:mod:`engine.core.scheduler`; the cache
+    salt when None); isolation is the salt's business, not this."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -35,6 +37,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     mm_items: tuple[MultiModalItem, ...] = ()
     mm_inputs: tuple[Any, ...] = ()
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)

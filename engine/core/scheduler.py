@@ -4,15 +4,32 @@ The scheduler owns the :class:`~engine.kvcache.kv_cache_manager.KVCacheManager`:
 admission, block allocation and preemption are decided here and nowhere else.
 Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_tokens``:
 
-1. running requests first, in admission order: one token for a decoding request,
-   the next chunk of the prompt for one still prefilling. When no block is free
-   for it, the most recently admitted running request is preempted (its blocks
-   freed, back to the head of the queue; later recomputed, mostly from the prefix
-   cache), possibly the request itself;
-2. then waiting requests, first come first served, while fewer than
-   ``max_num_seqs`` run: take the prefix-cache hit, allocate blocks for the
-   first chunk of the rest. A request whose blocks do not fit stops admission
-   (it never preempts running requests).
+1. decodes first: one token for every running request with one token left to
+   compute, in admission order;
+2. then prefill, shared between tenants (a request's tenant is its
+   ``GenerationRequest.tenant``, else its cache salt; requests with neither share
+   one tenant). Each tenant with prefill work (running requests still prefilling,
+   then its waiting requests, first come first served) gets an equal share of what
+   is left of the budget, water-filled: a tenant needing less than its share
+   leaves the rest to the others. Tenants are served least recently served first,
+   so a tenant that just arrived is in the very next forward, beside (not behind)
+   another tenant's long prompt: one tenant's long prompts delay another's short
+   request by at most the forward already under way. Within a tenant, the oldest
+   request takes the tenant's share first (its chunk takes all of it until its
+   last chunk), as before. In the step where a tenant arrives beside tenants
+   already prefilling, every tenant gets at most the newcomer's demand, so that
+   forward costs about what the newcomer's costs alone (never two such steps in a
+   row: the others keep at least every other full step).
+
+Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
+prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
+reservation or blocks do not fit stops admission for its tenant in this step (it
+never preempts running requests); other tenants' requests may still be admitted.
+When a running request finds no free block, the most recently admitted running
+request not yet scheduled in this step is preempted (its blocks freed, back to the
+head of the queue; later recomputed, mostly from the prefix cache), possibly the
+request itself. A request already scheduled in this step is never preempted: its
+blocks were cached at allocation and may already be shared.
 
 Prefix sharing while running: a full block is cached (findable by its hash) as
 soon as the step that computes it is scheduled, so a request admitted later in the
@@ -20,12 +37,11 @@ same step or in any later step shares it through its ref count. A block's K/V ar
 written at the start of each layer's attention, before any sequence of the batch
 reads, so a sharer in the same forward reads finished values. A request that
 arrives while another is still prefilling the same prefix therefore never
-recomputes it: the producer runs first every step and its chunk takes the whole
-remaining token budget until its last chunk, so nothing behind it is admitted
-before that step; in that step all the producer's full prompt blocks are cached
-at allocation, and the newcomer, admitted after it, hits them. The newcomer waits
-at most as many steps as the producer has chunks left (tested in
-``tests/engine/core/test_engine_batching.py``).
+recomputes it: its admission is deferred while the next block it could hit is
+one a running request is still to compute (whatever their tenants), and within a
+tenant the producer's chunk takes the tenant's whole share until its last chunk.
+The newcomer waits at most as many steps as the producer has chunks left (tested
+in ``tests/engine/core/test_engine_batching.py``).
 
 Invariants:
 
@@ -34,8 +50,10 @@ Invariants:
   block_size)`` blocks each) never exceed the pool, so preemption only happens
   to requests generating past their horizon;
 * a request is in exactly one of ``waiting`` and ``running`` until it finishes;
+  a step schedules a request at most once;
 * between steps a running request holds slots for exactly its
-  ``num_computed_tokens`` (a waiting one holds no block).
+  ``num_computed_tokens`` (a waiting one holds no block);
+* the tenants remembered for ordering are those with work (bounded by the requests).
 """
 
 from __future__ import annotations
@@ -81,8 +99,33 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class _Step:
+    """One step being planned: its output, the budget left, who is already scheduled."""
+
+    def __init__(self, budget: int) -> None:
+        self.out = SchedulerOutput()
+        self.budget = budget
+        self.requests: set[EngineRequest] = set()
+
+    def add(self, seq: ScheduledSequence) -> None:
+        self.out.scheduled.append(seq)
+        self.requests.add(seq.request)
+        self.budget -= seq.num_new_tokens
+
+
+def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None, int]:
+    """Equal shares of ``budget``; a demand below its share leaves the rest to the others."""
+    shares: dict[str | None, int] = {}
+    left = len(demands)
+    for tenant, demand in sorted(demands.items(), key=lambda kv: kv[1]):
+        shares[tenant] = min(demand, -(-budget // left) if left else 0)
+        budget -= shares[tenant]
+        left -= 1
+    return shares
+
+
 class Scheduler:
-    """Continuous batching under a token budget and a block budget."""
+    """Continuous batching under a token budget and a block budget, fair between tenants."""
 
     def __init__(
         self,
@@ -109,6 +152,10 @@ class Scheduler:
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
         self.block_loader: BlockLoader | None = None
+        self.num_steps = 0
+        self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
+        self._capped_last = False  # the previous step's prefill was capped for a newcomer
+        self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission."""
@@ -128,38 +175,118 @@ class Scheduler:
     # ------------------------------------------------------------------ a step
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work and reserve its slots (see the module docstring)."""
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            if self._allocate_or_preempt(req, n, out):
-                out.scheduled.append(ScheduledSequence(req, req.num_computed_tokens, n))
-                budget -= n
-                i += 1
+        self.num_steps += 1
+        step = _Step(self.max_num_batched_tokens)
+        for req in list(self.running):
+            if step.budget <= 0:
+                break
+            if req.num_uncomputed_tokens == 1 and req in self.running:
+                self._run(req, 1, step)
+        queues = self._prefill_queues()
+        order = sorted(queues, key=lambda t: self._last_served.get(t, -1))
+        demands = {t: sum(r.num_uncomputed_tokens for r in queues[t]) for t in order}
+        step.budget = self._newcomer_cap(demands, step.budget)
+        shares = _water_fill(demands, step.budget)
+        carry = 0
+        for tenant in order:
+            allowance = min(shares[tenant] + carry, step.budget)
+            used = self._prefill_tenant(queues[tenant], allowance, step)
+            carry = allowance - used
+            if used:
+                self._last_served[tenant] = self.num_steps
+        for tenant in [t for t in self._last_served if t not in queues]:
+            del self._last_served[tenant]
+        return step.out
+
+    def _newcomer_cap(self, demands: dict[str | None, int], budget: int) -> int:
+        """The prefill budget of this step: when a tenant arrives (no prefill work in the
+        previous step) beside tenants already prefilling, the step gives every tenant at
+        most the newcomers' largest demand, so the newcomer's first forward costs about
+        what it costs alone; never two such steps in a row, so the others lose at most
+        every other full step to newcomers."""
+        new = [d for t, d in demands.items() if t not in self._prefilling_before]
+        capped = bool(new) and len(new) < len(demands) and not self._capped_last
+        cap = max(new) * len(demands) if capped else budget
+        self._capped_last = cap < budget
+        self._prefilling_before = set(demands)
+        return min(cap, budget)
+
+    def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:
+        """Each tenant's prefill work in order: its running prefilling requests (admission
+        order), then its waiting requests (queue order)."""
+        queues: dict[str | None, list[EngineRequest]] = {}
+        for req in self.running:
+            if req.num_uncomputed_tokens > 1:
+                queues.setdefault(req.tenant, []).append(req)
+        for req in self.waiting:
+            queues.setdefault(req.tenant, []).append(req)
+        return queues
+
+    def _prefill_tenant(self, queue: list[EngineRequest], allowance: int, step: _Step) -> int:
+        """Give up to ``allowance`` tokens to one tenant's queue, oldest first; the tokens used."""
+        used = 0
+        for req in queue:
+            if used >= allowance or step.budget <= 0:
+                break
+            n = min(req.num_uncomputed_tokens, allowance - used, step.budget)
+            if req in self.running:
+                if self._run(req, n, step):
+                    used += n
+            elif req in self.waiting:
+                admitted = self._admit(req, n, step)
+                if admitted is None:
+                    break  # stops admission for this tenant (FCFS within a tenant)
+                used += admitted
+        return used
+
+    def _run(self, req: EngineRequest, n: int, step: _Step) -> bool:
+        """Schedule ``n`` more tokens of a running request; False when it was preempted."""
+        if not self._allocate_or_preempt(req, n, step):
+            return False
+        step.add(ScheduledSequence(req, req.num_computed_tokens, n))
+        return True
+
+    def _admit(self, req: EngineRequest, most: int, step: _Step) -> int | None:
+        """Admit a waiting request with a first chunk of at most ``most`` tokens beyond its
+        hit; the tokens scheduled, or None when it cannot be admitted in this step."""
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        need = self.reservation(req)
+        if self.reserved_blocks + need > self.num_blocks:
+            return None
         kvm = self.kv_cache_manager
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            req = self.waiting[0]
-            need = self.reservation(req)
-            if self.reserved_blocks + need > self.num_blocks:
-                break
-            self._load_from_lower_tier(req)
-            hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
-            n = min(req.kv.num_tokens - num_cached, budget)
-            if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
-                break
-            self.waiting.popleft()
-            kvm.count_query(req.kv, num_cached)
-            if not req.admitted:
-                req.admitted = True
-                req.num_cached_tokens = num_cached
-            req.num_computed_tokens = num_cached
-            self.running.append(req)
-            self.reserved_blocks += need
-            out.scheduled.append(ScheduledSequence(req, num_cached, n))
-            budget -= n
-        return out
+        self._load_from_lower_tier(req)
+        hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
+        if self._next_block_in_progress(req, num_cached):
+            return None
+        n = min(req.kv.num_tokens - num_cached, most)
+        if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
+            return None
+        self.waiting.remove(req)
+        kvm.count_query(req.kv, num_cached)
+        if not req.admitted:
+            req.admitted = True
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        self.running.append(req)
+        self.reserved_blocks += need
+        step.add(ScheduledSequence(req, num_cached, n))
+        return n
+
+    def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
+        """True when the next block ``req`` could hit is one a running request has not
+        computed yet: admitting ``req`` now would compute it a second time."""
+        if not self.kv_cache_manager.enable_caching:
+            return False
+        index = num_cached // self.block_size
+        if index >= (req.kv.num_tokens - 1) // self.block_size:
+            return False
+        wanted = req.kv.block_hashes[index]
+        for other in self.running:
+            first = other.num_computed_tokens // self.block_size
+            if other.num_uncomputed_tokens > 1 and wanted in other.kv.block_hashes[first:]:
+                return True
+        return False
 
     def _load_from_lower_tier(self, req: EngineRequest) -> None:
         """Before admission: blocks of ``req``'s chain past its RAM hit that the block
@@ -167,13 +294,14 @@ class Scheduler:
         if self.block_loader is not None:
             self.kv_cache_manager.load_blocks(req.kv, self.block_loader)
 
-    def _allocate_or_preempt(self, req: EngineRequest, n: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: EngineRequest, n: int, step: _Step) -> bool:
         """Reserve ``n`` more slots for a running request, preempting the newest running
-        requests while none is free. False when ``req`` itself was preempted."""
+        request not scheduled in this step while no block is free. False when ``req``
+        itself was preempted."""
         while self.kv_cache_manager.allocate_slots(req.kv, n) is None:
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r is req or r not in step.requests)
             self._preempt(victim)
-            out.preempted.append(victim)
+            step.out.preempted.append(victim)
             if victim is req:
                 return False
         return True

@@ -20,6 +20,8 @@ Invariants of :meth:`ImagePromptProcessor.encode`'s result:
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +58,14 @@ class ProcessedPrompt:
 class ImagePromptProcessor:
     """Wraps a transformers processor (``LlavaProcessor``, ``Idefics3Processor``).
 
-    Not thread-safe (the tokenizer is shared): callers hold their own lock."""
+    Thread-safe: it works on a private copy of the processor (its own tokenizer,
+    which HF does not allow to share between threads) under its own lock, so the
+    chat renderer's tokenizer, the same checkpoint's, stays free for text while
+    images are processed."""
 
     def __init__(self, processor: Any) -> None:
-        self.processor = processor
+        self.processor = copy.deepcopy(processor)
+        self._lock = threading.Lock()
         self.image_text = str(processor.image_token)
         self.image_token_id = int(processor.tokenizer.convert_tokens_to_ids(self.image_text))
         self.nested = type(processor).__name__ == "Idefics3Processor"  # images per text sample
@@ -67,6 +73,10 @@ class ImagePromptProcessor:
         self.chat_template: str | None = template if isinstance(template, str) else None
 
     def _call(self, text: str, images: Sequence[Any]) -> Any:
+        with self._lock:
+            return self._call_locked(text, images)
+
+    def _call_locked(self, text: str, images: Sequence[Any]) -> Any:
         batch: Any = None
         if images:
             batch = [list(images)] if self.nested else list(images)

@@ -18,7 +18,12 @@ messages are normalized so that every template gets plain strings:
 
 Images: a model that does not accept images answers 400 "model does not accept
 images". Each image part is loaded (data: URLs only unless remote images are
-allowed) and named by its content hash (:class:`~engine.server.images.ImageData`).
+allowed) and its header read; the pixels of all the request's images are then
+reserved in one piece from the server's :class:`~engine.server.pixel_budget.PixelBudget`
+(429 ``rate_limit_exceeded`` when it stays full, 400 when they exceed it alone)
+and held while the images are decoded, named by their content hash
+(:class:`~engine.server.images.ImageData`) and processed; the reservation ends
+with the rendering.
 
 * A vision-language model (an :class:`~engine.multimodal.processor.ImagePromptProcessor`
   is configured): the checkpoint's chat template (the processor's, else the
@@ -33,20 +38,25 @@ allowed) and named by its content hash (:class:`~engine.server.images.ImageData`
   ``tokens_per_image`` positions covered by the item (no model consumes them).
 
 The template is rendered to text and then encoded without added special tokens, all
-under one lock (HF tokenizers are not safe to share).
+under one lock (HF tokenizers are not safe to share); a vision-language model's images
+and text go through its processor under the processor's own lock and with its own
+copy of the tokenizer, so text-only requests never wait for another request's images.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.image_content import image_pixels
 from engine.kvcache.block_hash import MultiModalItem
 from engine.server.errors import APIError, invalid_param
-from engine.server.images import ImageData, ImageFetcher, load_image
+from engine.server.images import ImageData, ImageFetcher, image_bytes
+from engine.server.pixel_budget import PixelBudget, PixelBudgetBusy, PixelBudgetTooSmall
 from engine.server.tool_calls import CALL_INSTRUCTIONS, render_call
 
 if TYPE_CHECKING:  # the gateway imports this module and must not import torch
@@ -64,6 +74,15 @@ class ImagePlaceholder:
     text: str
     token_id: int
     tokens_per_image: int
+
+
+@dataclass(frozen=True)
+class _EncodedImage:
+    """An image part read but not decoded yet: where it is, its bytes, its pixel count."""
+
+    param: str
+    data: bytes
+    pixels: int
 
 
 @dataclass(frozen=True)
@@ -89,8 +108,12 @@ class ChatRenderer:
         allow_remote_images: bool = False,
         fetch: ImageFetcher | None = None,
         image_processor: ImagePromptProcessor | None = None,
+        pixel_budget: PixelBudget | None = None,
     ) -> None:
+        """``pixel_budget``: shared by the renderers of one server (None: images unbounded
+        across requests, as for the gateway's routing, which decodes none)."""
         self.tokenizer = tokenizer
+        self.pixel_budget = pixel_budget
         self.image_processor = image_processor
         self.supports_images = image_processor is not None or (supports_images and image_placeholder is not None)
         self.image_placeholder = image_placeholder
@@ -106,8 +129,14 @@ class ChatRenderer:
     def render(self, messages: Sequence[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
         """Token ids of the conversation followed by the assistant's generation prompt."""
-        images: list[ImageData] = []
-        conversation = [self._message(i, m, images) for i, m in enumerate(messages)]
+        encoded: list[_EncodedImage] = []
+        conversation = [self._message(i, m, encoded) for i, m in enumerate(messages)]
+        with self._reserve(sum(e.pixels for e in encoded)):
+            images = [self._decode(e) for e in encoded]
+            return self._render(conversation, tools, images)
+
+    def _render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                images: list[ImageData]) -> ChatPrompt:
         if tools and not self.template_has_tools:
             conversation = _inline_tools(conversation, tools)
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
@@ -123,9 +152,12 @@ class ChatRenderer:
             except Exception as exc:  # jinja errors, raise_exception(...) in templates
                 raise invalid_param(f"The chat template rejected the messages: {exc}", "messages",
                                     "invalid_messages") from exc
-            if self.image_processor is not None:
-                return self._process(text, images)
-            token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if self.image_processor is None or not images:
+                token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if self.image_processor is not None:
+            # The processor has its own lock and tokenizer: a request's images are processed
+            # (seconds for large ones) without holding up text-only requests on this lock.
+            return self._process(text, images) if images else self._text_only(token_ids)
         if not images:
             return ChatPrompt(token_ids)
         return self._expand_images(token_ids, images)
@@ -136,7 +168,7 @@ class ChatRenderer:
             return list(self.tokenizer.encode(text))
 
     # --------------------------------------------------------------- messages
-    def _message(self, index: int, message: dict[str, Any], images: list[ImageData]) -> dict[str, Any]:
+    def _message(self, index: int, message: dict[str, Any], images: list[_EncodedImage]) -> dict[str, Any]:
         role = message.get("role")
         if role not in ROLES:
             raise invalid_param(f"messages[{index}].role must be one of {list(ROLES)}, got {role!r}.",
@@ -150,7 +182,7 @@ class ChatRenderer:
                 out[key] = message[key]
         return out
 
-    def _content(self, index: int, content: object, images: list[ImageData]) -> str | list[dict[str, str]]:
+    def _content(self, index: int, content: object, images: list[_EncodedImage]) -> str | list[dict[str, str]]:
         if content is None:
             return ""
         if isinstance(content, str):
@@ -164,7 +196,7 @@ class ChatRenderer:
             return [{"type": "image"} if p is _IMAGE else {"type": "text", "text": p} for p in pieces]
         return PART_JOIN.join(pieces)
 
-    def _part(self, param: str, part: object, images: list[ImageData]) -> str:
+    def _part(self, param: str, part: object, images: list[_EncodedImage]) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str):
             return str(part["text"])
@@ -177,18 +209,44 @@ class ChatRenderer:
         spec = part.get("image_url")
         url = spec.get("url") if isinstance(spec, dict) else spec
         try:
-            image = load_image(url, allow_remote=self.allow_remote_images, fetch=self.fetch)
+            data = image_bytes(url, allow_remote=self.allow_remote_images, fetch=self.fetch)
+            images.append(_EncodedImage(f"{param}.image_url", data, image_pixels(data)))
         except ValueError as exc:
             raise invalid_param(f"{param}.image_url: {exc}", f"{param}.image_url") from exc
-        images.append(image)
         if self.image_processor is not None:
             return _IMAGE
         assert self.image_placeholder is not None
         return self.image_placeholder.text
 
     # ----------------------------------------------------------------- images
+    def _reserve(self, pixels: int) -> Any:
+        """The pixel budget's reservation of ``pixels`` as a context manager, its refusals
+        as API errors."""
+        if self.pixel_budget is None or not pixels:
+            return _nothing()
+        return _reservation(self.pixel_budget, pixels)
+
+    @staticmethod
+    def _decode(image: _EncodedImage) -> ImageData:
+        try:
+            return ImageData.from_bytes(image.data)
+        except ValueError as exc:
+            raise invalid_param(f"{image.param}: {exc}", image.param) from exc
+
+    def _text_only(self, token_ids: list[int]) -> ChatPrompt:
+        """A vision-language model's prompt without images: the processor's tokenizer gives
+        the same ids, and an image token written in text is refused as the processor would."""
+        assert self.image_processor is not None
+        found = token_ids.count(self.image_processor.image_token_id)
+        if found:
+            raise invalid_param(
+                f"The images could not be placed in the prompt: the prompt has {found} image tokens but "
+                f"no images; do not write the image placeholder {self.image_processor.image_text!r} in text",
+                "messages")
+        return ChatPrompt(token_ids)
+
     def _process(self, text: str, images: list[ImageData]) -> ChatPrompt:
-        """The checkpoint's processor over the rendered text and the images (lock held)."""
+        """The checkpoint's processor over the rendered text and the images (its own lock)."""
         assert self.image_processor is not None
         try:
             out = self.image_processor.encode(text, [i.image for i in images], [i.sha256 for i in images])
@@ -217,6 +275,27 @@ class ChatRenderer:
             start = pos + 1
         expanded.extend(token_ids[start:])
         return ChatPrompt(expanded, tuple(items), tuple(images))
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def _reservation(budget: PixelBudget, pixels: int) -> Iterator[None]:
+    try:
+        budget.acquire(pixels)
+    except PixelBudgetTooSmall as exc:
+        raise invalid_param(f"The request's images are too large together: {exc}.", "messages",
+                            "too_many_image_pixels") from exc
+    except PixelBudgetBusy as exc:
+        raise APIError(429, f"The engine is busy with other requests' images ({exc}); retry later.",
+                       type="requests", code="rate_limit_exceeded") from exc
+    try:
+        yield
+    finally:
+        budget.release(pixels)
 
 
 _IMAGE = "\x00image\x00"

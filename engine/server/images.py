@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from engine.image_content import content_hash, data_url_bytes, decode_image
+from engine.server.pixel_budget import DEFAULT_MAX_PIXELS_IN_FLIGHT
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -67,10 +68,15 @@ def decode_data_url(url: str) -> ImageData:
 
 def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = None) -> ImageData:
     """The image an ``image_url.url`` names: decoded data: URLs, fetched remote ones if allowed."""
+    return ImageData.from_bytes(image_bytes(url, allow_remote=allow_remote, fetch=fetch))
+
+
+def image_bytes(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = None) -> bytes:
+    """The encoded bytes an ``image_url.url`` names (nothing decoded yet); ValueError saying why not."""
     if not isinstance(url, str) or not url:
         raise ValueError("image_url.url must be a non-empty string")
     if url.startswith("data:"):
-        return decode_data_url(url)
+        return data_url_bytes(url)[1]
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme not in ("http", "https"):
         raise ValueError(f"image URL scheme {scheme or '(none)'!r} is not supported; use a data: URL")
@@ -79,15 +85,17 @@ def load_image(url: object, *, allow_remote: bool, fetch: ImageFetcher | None = 
             "remote image URLs are refused by this engine (start it with --allowed-media-domains HOST "
             "to allow a host); send the image inline as a data: URL"
         )
-    return ImageData.from_bytes(fetch(url))
+    return fetch(url)
 
 
 @dataclass(frozen=True)
 class MediaPolicy:
     """Which remote image URLs the server fetches (none unless ``allowed_domains`` names hosts),
-    and how many images one request may carry (each decoded image is held until the
+    how many images one request may carry (each decoded image is held until the
     request is rendered: ``max_images_per_request`` x
-    :data:`engine.image_content.MAX_IMAGE_PIXELS` bounds it).
+    :data:`engine.image_content.MAX_IMAGE_PIXELS` bounds it), and how many decoded
+    pixels all requests together may hold (``max_pixels_in_flight``, see
+    :mod:`engine.server.pixel_budget`).
 
     Hosts match exactly, case-insensitively (``example.com`` does not allow
     ``cdn.example.com``). ``timeout_s`` bounds a whole fetch, redirects included.
@@ -97,6 +105,7 @@ class MediaPolicy:
     timeout_s: float = FETCH_TIMEOUT_S
     max_bytes: int = MAX_IMAGE_BYTES
     max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+    max_pixels_in_flight: int = DEFAULT_MAX_PIXELS_IN_FLIGHT
 
     def __post_init__(self) -> None:
         domains = frozenset(d.strip().lower().rstrip(".") for d in self.allowed_domains)
@@ -110,6 +119,8 @@ class MediaPolicy:
             raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes!r}")
         if self.max_images_per_request < 1:
             raise ValueError(f"max_images_per_request must be >= 1, got {self.max_images_per_request!r}")
+        if self.max_pixels_in_flight < 1:
+            raise ValueError(f"max_pixels_in_flight must be >= 1, got {self.max_pixels_in_flight!r}")
 
     @property
     def allows_remote(self) -> bool:

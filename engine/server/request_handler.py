@@ -51,6 +51,7 @@ from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
 from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
+from engine.server.pixel_budget import PixelBudget
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
 from engine.server.responses import ResponsesBuilder, responses_param, translate
@@ -58,6 +59,11 @@ from engine.server.structured_output import grammar_for
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
 logger = logging.getLogger(__name__)
+
+TENANT_HEADER = "x-prefixgate-tenant"
+"""Names the tenant a request is for (the gateway sets it): the scheduler shares prefill
+between tenants by it (else by the cache salt). Not isolation, which is the salt's job."""
+MAX_TENANT_CHARS = 256
 
 
 @dataclass
@@ -116,6 +122,7 @@ class RequestHandler:
             allow_remote_images=media.allows_remote,
             fetch=media.fetcher(),
             image_processor=getattr(engine, "image_processor", None),
+            pixel_budget=PixelBudget(media.max_pixels_in_flight),
         )
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
@@ -164,9 +171,13 @@ class RequestHandler:
 
     async def _admit(self, request: Request, kind: str) -> _Prepared:
         """Read, validate, tokenize and submit; every refusal is an APIError."""
+        tenant = request.headers.get(TENANT_HEADER)
+        if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_CHARS:
+            raise errors.invalid_param(f"The {TENANT_HEADER} header must have 1 to {MAX_TENANT_CHARS} characters.",
+                                       None, "invalid_tenant")
         raw = await self._read_body(request)
         try:
-            prepared = await run_in_threadpool(self._prepare, raw, kind)
+            prepared = await run_in_threadpool(self._prepare, raw, kind, tenant)
             prepared.fanout.submit_first()
             return prepared
         except ValueError as exc:  # user input refused below protocol.py, naming its value
@@ -194,7 +205,7 @@ class RequestHandler:
                                   code="client_disconnected") from exc
         return b"".join(chunks)
 
-    def _prepare(self, content: bytes, kind: str) -> _Prepared:
+    def _prepare(self, content: bytes, kind: str, tenant: str | None = None) -> _Prepared:
         """Decode, validate, render and tokenize (runs in a worker thread: a body of
         megabytes is decoded off the event loop too)."""
         try:
@@ -203,13 +214,13 @@ class RequestHandler:
             raise errors.malformed_json(str(exc)) from exc
         origins: list[str] = []  # Responses: the input item each chat message came from
         try:
-            return self._prepare_kind(raw, kind, origins)
+            return self._prepare_kind(raw, kind, origins, tenant)
         except APIError as exc:
             if kind == "responses":  # name the Responses field, not the chat one
                 exc.param = responses_param(exc.param, origins)
             raise
 
-    def _prepare_kind(self, raw: object, kind: str, origins: list[str]) -> _Prepared:
+    def _prepare_kind(self, raw: object, kind: str, origins: list[str], tenant: str | None) -> _Prepared:
         if kind == "completion":
             body = parse_completion_body(raw, self.vocab_size)
         elif kind == "responses":
@@ -255,7 +266,7 @@ class RequestHandler:
             requests.append(GenerationRequest(
                 request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
                 prompt_token_ids=token_ids, params=choice_params,
-                cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs,
+                cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs, tenant=tenant,
             ))
         responses = None
         if kind == "responses":

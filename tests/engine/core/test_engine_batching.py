@@ -36,12 +36,15 @@ def solo(engine, prompt, max_tokens=20):
     return tokens_of(stream.result(timeout=120))
 
 
-def together(engine, prompts, max_tokens=20, cancel_after=None):
-    """Submit all prompts in one go; ``cancel_after = (i, n)`` cancels request i after n outputs."""
+def together(engine, prompts, max_tokens=20, cancel_after=None, tenants=None):
+    """Submit all prompts in one go; ``cancel_after = (i, n)`` cancels request i after n outputs;
+    ``tenants[i]`` names request i's tenant."""
 
     async def go():
         streams = [
-            engine.submit(GenerationRequest(f"b-{next(_ids)}", list(p), params(max_tokens))) for p in prompts
+            engine.submit(GenerationRequest(f"b-{next(_ids)}", list(p), params(max_tokens),
+                                            tenant=None if tenants is None else tenants[i]))
+            for i, p in enumerate(prompts)
         ]
 
         async def collect(i, stream):
@@ -145,18 +148,19 @@ def test_a_failed_batched_forward_fails_its_requests_and_caches_nothing(make_tin
     assert [o[-1].num_cached_tokens for o in again] == [0, 48]  # the second shares the first's blocks
 
 
+@pytest.mark.parametrize("tenants", [None, ("A", "B")])
 @pytest.mark.parametrize("budget", [32, 512])
-def test_a_prefix_being_prefilled_is_computed_once(make_tiny_engine, spy_steps, budget):
+def test_a_prefix_being_prefilled_is_computed_once(make_tiny_engine, spy_steps, budget, tenants):
     """Policy (engine/core/scheduler.py): a request arriving while another prefills the
-    same prefix waits for the producer's last chunk and hits every full block of it;
-    with a large budget both run in the same forward, the second reading blocks the
-    first is writing."""
+    same prefix waits for the producer's last chunk and hits every full block of it,
+    whether or not both are the same tenant's; with a large budget both run in the
+    same forward, the second reading blocks the first is writing."""
     engine = make_tiny_engine(max_num_batched_tokens=budget)
     shared = prompt_of(200, offset=81)
     prompts = [[*shared, 7, 8, 9], [*shared, 11, 12]]
     expected = [solo(make_tiny_engine(enable_prefix_caching=False), p) for p in prompts]
     spy_steps.clear()
-    outputs = together(engine, prompts)
+    outputs = together(engine, prompts, tenants=tenants)
     assert [tokens_of(o) for o in outputs] == expected
     assert outputs[0][-1].num_cached_tokens == 0
     assert outputs[1][-1].num_cached_tokens == 192  # every full block of the shared prefix
@@ -165,6 +169,20 @@ def test_a_prefix_being_prefilled_is_computed_once(make_tiny_engine, spy_steps, 
     assert (202 - 192, 192) in prefill
     if budget == 512:
         assert len(spy_steps[0]) == 2  # both prefills in the first forward
+    assert_all_free(engine)
+
+
+def test_tenants_share_prefill_and_batched_greedy_still_equals_one_at_a_time(make_tiny_engine, spy_steps):
+    reference = make_tiny_engine(enable_prefix_caching=False, max_num_seqs=1)
+    prompts = [prompt_of(150, offset=3), prompt_of(140, offset=5), prompt_of(9, offset=7)]
+    expected = [solo(reference, p) for p in prompts]
+    spy_steps.clear()
+    engine = make_tiny_engine(max_num_batched_tokens=32)
+    outputs = together(engine, prompts, tenants=["heavy", "heavy", "quiet"])
+    assert [tokens_of(o) for o in outputs] == expected
+    # the quiet tenant's whole prompt is in the first forward, beside the heavy tenant's first chunk
+    assert sorted(spy_steps[0]) == [(9, 0, True), (23, 0, False)]
+    assert all(sum(n for n, _, _ in step) <= 32 for step in spy_steps)
     assert_all_free(engine)
 
 

@@ -1,9 +1,13 @@
 """Scheduler units: the token budget, max_num_seqs, running before waiting, chunked
-prefill, FCFS admission and preemption of the newest running request (no model)."""
+prefill, FCFS admission within a tenant, prefill shared between tenants, and
+preemption of the newest running request (no model)."""
 
 from __future__ import annotations
 
 import itertools
+import random
+
+import pytest
 
 from engine.core.engine_request import EngineRequest
 from engine.core.output_stream import GenerationRequest
@@ -15,8 +19,9 @@ BS = 4
 _ids = itertools.count()
 
 
-def request(n, max_tokens=8, offset=0):
-    gen = GenerationRequest(f"r{next(_ids)}", [10 + offset + i for i in range(n)], SamplingParams(max_tokens=max_tokens))
+def request(n, max_tokens=8, offset=0, tenant=None, salt=None):
+    gen = GenerationRequest(f"r{next(_ids)}", [10 + offset + i for i in range(n)], SamplingParams(max_tokens=max_tokens),
+                            cache_salt=salt, tenant=tenant)
     return EngineRequest(gen, block_size=BS, max_model_len=1000, tokenizer=None, eos_token_ids=(), fallback_seed=0)
 
 
@@ -94,3 +99,162 @@ def test_a_request_that_does_not_fit_stops_admission():
     out = sched.schedule()
     assert [s.request for s in out.scheduled] == [running]  # big's 5 blocks do not fit; small waits behind it
     assert list(sched.waiting) == [big, small]
+
+
+def plan_of(out, names):
+    return [(names[s.request], s.start, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_a_short_request_of_another_tenant_runs_in_the_next_step_beside_a_long_prompt():
+    sched = make(max_num_batched_tokens=10)
+    long_a, long_b, short = request(60, tenant="A"), request(60, tenant="A", offset=100), request(3, tenant="Q")
+    names = {long_a: "a", long_b: "b", short: "q"}
+    sched.add(long_a)
+    sched.add(long_b)
+    finish_step(sched, sched.schedule())
+    sched.add(short)
+    out = sched.schedule()
+    # q first (served least recently); a's chunk no larger than q's: the step costs about q's alone
+    assert plan_of(out, names) == [("q", 0, 3), ("a", 10, 3)]
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert plan_of(out, names) == [("q", 3, 1), ("a", 13, 9)]  # q decodes first; b still waits behind a
+
+
+def test_newcomers_never_cap_two_steps_in_a_row():
+    sched = make(max_num_batched_tokens=10)
+    heavy = request(100, tenant="A")
+    sched.add(heavy)
+    finish_step(sched, sched.schedule())
+    sizes = []
+    for i in range(4):  # a new tenant every step
+        sched.add(request(2, max_tokens=1, offset=200 + 10 * i, tenant=f"Q{i}"))
+        out = sched.schedule()
+        sizes.append(next(s.num_new_tokens for s in out.scheduled if s.request is heavy))
+        answered = [s.request for s in out.scheduled if s.request is not heavy and s.samples]
+        finish_step(sched, out)
+        for req in answered:  # max_tokens=1: done after its first token
+            sched.finish(req)
+    assert sizes == [2, 8, 2, 8]  # capped to the newcomer's 2 tokens, then a full share
+
+
+def test_tenants_with_long_prompts_share_each_step_equally():
+    sched = make(max_num_batched_tokens=12)
+    reqs = [request(40, tenant=t, offset=100 * i) for i, t in enumerate("ABC")]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(3):
+        out = sched.schedule()
+        assert sorted(s.num_new_tokens for s in out.scheduled) == [4, 4, 4]
+        finish_step(sched, out)
+
+
+def test_the_salt_is_the_tenant_when_no_tenant_is_named():
+    sched = make(max_num_batched_tokens=10)
+    a, b = request(40, salt="s1"), request(40, salt="s2", offset=100)
+    sched.add(a)
+    sched.add(b)
+    assert sorted(s.num_new_tokens for s in sched.schedule().scheduled) == [5, 5]
+    same = make(max_num_batched_tokens=10)
+    c, d = request(40), request(40, offset=100)
+    same.add(c)
+    same.add(d)
+    assert [s.request for s in same.schedule().scheduled] == [c]  # one tenant: FCFS
+
+
+def test_a_request_that_does_not_fit_stops_admission_for_its_tenant_only():
+    sched = make(num_blocks=5)
+    running = request(9, max_tokens=1, offset=90, tenant="A")
+    sched.add(running)
+    finish_step(sched, sched.schedule())
+    big, small_a = request(17, max_tokens=1, tenant="A"), request(3, max_tokens=1, offset=50, tenant="A")
+    small_q = request(3, max_tokens=1, offset=70, tenant="Q")
+    for r in (big, small_a, small_q):
+        sched.add(r)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [running, small_q]
+    assert list(sched.waiting) == [big, small_a]
+
+
+def test_a_shared_prefix_being_prefilled_by_another_tenant_is_not_computed_twice():
+    sched = make(max_num_batched_tokens=8)
+    producer = request(30, tenant="A")
+    sharer = request(30, tenant="B")  # same tokens, no salt: the same block hashes
+    sched.add(producer)
+    finish_step(sched, sched.schedule())
+    sched.add(sharer)
+    computed_by_sharer = []
+    for _ in range(12):
+        out = sched.schedule()
+        computed_by_sharer += [(s.start, s.end) for s in out.scheduled if s.request is sharer]
+        finish_step(sched, out)
+    # the sharer waited for the producer's blocks: it computed only its last token
+    assert sharer.num_cached_tokens == 28
+    assert computed_by_sharer[0] == (28, 30)
+
+
+def test_preemption_never_takes_a_request_already_scheduled_in_the_step():
+    sched = make(num_blocks=8, max_num_batched_tokens=64)
+    sched.reserve_horizon = 1
+    old = request(15, max_tokens=50, tenant="A")
+    new = request(3, max_tokens=50, offset=100, tenant="B")
+    sched.add(old)
+    sched.add(new)
+    finish_step(sched, sched.schedule())
+    seen = []
+    for _ in range(30):
+        out = sched.schedule()
+        scheduled = {s.request for s in out.scheduled}
+        assert not scheduled & set(out.preempted)
+        seen += out.preempted
+        finish_step(sched, out)
+    assert seen  # the pool ran out and someone was preempted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_tenants_keep_every_invariant(seed):
+    rng = random.Random(seed)
+    sched = make(num_blocks=rng.choice([12, 30, 100]), max_num_seqs=rng.choice([2, 4, 64]),
+                 max_num_batched_tokens=rng.choice([3, 8, 32]))
+    sched.reserve_horizon = rng.choice([1, 4, 1024])
+    done = 0
+    for _ in range(200):
+        if rng.random() < 0.3:
+            sched.add(request(rng.randint(1, 40), max_tokens=rng.randint(1, 12), offset=rng.choice([0, 500]),
+                              tenant=rng.choice(["A", "B", "C", None])))
+        computed_before = {r: r.num_computed_tokens for r in sched.running}
+        out = sched.schedule()
+        assert out.num_tokens <= sched.max_num_batched_tokens
+        assert len(out.scheduled) == len({s.request for s in out.scheduled})
+        assert len(sched.running) <= sched.max_num_seqs
+        assert sched.reserved_blocks <= sched.num_blocks
+        tenants = {r.tenant for r in sched.all_requests()}
+        assert set(sched._last_served) <= tenants and sched._prefilling_before <= tenants  # bounded by the work
+        for s in out.scheduled:
+            assert s.request in sched.running and s.start == s.request.num_computed_tokens
+            assert s.start == computed_before.get(s.request, s.start)
+            assert sched.kv_cache_manager.num_slots(s.request.request_id) == s.end
+        finish_step(sched, out)
+        for r in list(sched.running):
+            if len(r.kv.output_token_ids) >= r.params.max_tokens:
+                sched.finish(r)
+                done += 1
+    for r in sched.all_requests():
+        sched.finish(r)
+    sched.kv_cache_manager.check_integrity()
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+    assert done > 0
+
+
+def test_a_tenant_that_cannot_be_admitted_is_a_newcomer_once():
+    sched = make(max_num_batched_tokens=10, max_num_seqs=1)
+    heavy = request(100, tenant="A")
+    sched.add(heavy)
+    finish_step(sched, sched.schedule())
+    sched.add(request(2, tenant="Q"))  # cannot run: max_num_seqs is taken
+    sizes = []
+    for _ in range(4):
+        out = sched.schedule()
+        sizes.append(out.num_tokens)
+        finish_step(sched, out)
+    assert sizes == [4, 10, 10, 10]

@@ -21,6 +21,7 @@ def test_defaults_follow_the_process_contract():
     assert args.kv_cache_memory > 0
     assert args.allowed_media_domains == [] and not args.no_prefix_caching
     assert args.media_fetch_timeout == 10.0 and args.max_images_per_request == 8
+    assert args.max_image_pixels_in_flight == 320_000_000
     assert callable(args.func)
 
 
@@ -29,19 +30,20 @@ def test_every_contract_flag_parses():
         "engine", "--model", "/models/x", "--host", "0.0.0.0", "--port", "9000", "--block-size", "32",
         "--kv-cache-memory", "0.5", "--dtype", "float32", "--served-model-name", "m",
         "--allowed-media-domains", "img.example", "cdn.example", "--media-fetch-timeout", "2.5",
-        "--max-images-per-request", "3",
+        "--max-images-per-request", "3", "--max-image-pixels-in-flight", "1000000",
         "--no-prefix-caching",
     ])
     assert (args.model, args.host, args.port, args.block_size) == ("/models/x", "0.0.0.0", 9000, 32)
     assert (args.kv_cache_memory, args.dtype, args.served_model_name) == (0.5, "float32", "m")
     assert args.allowed_media_domains == ["img.example", "cdn.example"] and args.no_prefix_caching
     assert args.media_fetch_timeout == 2.5 and args.max_images_per_request == 3
+    assert args.max_image_pixels_in_flight == 1_000_000
 
 
 @pytest.mark.parametrize("argv", [["--port", "0"], ["--port", "70000"], ["--block-size", "-1"],
                                   ["--kv-cache-memory", "0"], ["--dtype", "float16"],
                                   ["--media-fetch-timeout", "0"], ["--allowed-media-domains"],
-                                  ["--max-images-per-request", "0"]])
+                                  ["--max-images-per-request", "0"], ["--max-image-pixels-in-flight", "0"]])
 def test_bad_flags_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["engine", *argv])

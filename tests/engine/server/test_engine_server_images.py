@@ -185,3 +185,42 @@ def test_importing_the_image_modules_and_the_gateway_does_not_import_pillow():
             "gateway.app, linter.api, linter.render; "
             "sys.exit('PIL' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _whole_image_hash(image):
+    """content_hash's definition, computed on the whole image at once (the reference)."""
+    import hashlib
+
+    from engine.image_content import HASH_VERSION, canonical_mode
+
+    mode = canonical_mode(image.mode)
+    pixels = image if image.mode == mode else image.convert(mode)
+    digest = hashlib.sha256(HASH_VERSION + f"{mode},{image.width},{image.height}".encode() + b"\0")
+    digest.update(pixels.tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "I;16", "CMYK", "F"])
+def test_hashing_in_strips_gives_the_whole_image_hash(mode, monkeypatch):
+    import numpy as np
+
+    import engine.image_content as image_content
+
+    rng = np.random.RandomState(7)
+    image = Image.fromarray(rng.randint(0, 256, (37, 29, 4), dtype=np.uint8), "RGBA").convert(mode)
+    if mode == "P":
+        image.info["transparency"] = 3
+    expected = _whole_image_hash(image)
+    for strip_bytes in (1, 4 * 29 * 5, 10**9):  # one row, five rows, the whole image at a time
+        monkeypatch.setattr(image_content, "HASH_STRIP_BYTES", strip_bytes)
+        assert content_hash(image) == expected
+
+
+def test_image_pixels_reads_the_header_only_and_refuses_what_decoding_refuses():
+    from engine.image_content import image_pixels
+
+    assert image_pixels(png(5, 3)) == 15
+    with pytest.raises(ValueError, match="pixels"):
+        image_pixels(encode(Image.new("1", (MAX_IMAGE_PIXELS // 1000 + 1, 1000))))
+    with pytest.raises(ValueError, match="Pillow can read"):
+        image_pixels(b"not an image")
