@@ -34,7 +34,7 @@ from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
-from gateway.responses_body import canonicalize_responses, chat_view
+from gateway.responses_body import canonical_chat_view, canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
 from gateway.upstream_kind import scoped_body
@@ -108,7 +108,8 @@ class Proxy:
             as_sent, canonical = original, body
             as_sent_raw: bytes | None = raw
             if record.endpoint == "responses":  # warned about as the chat request it stands for
-                as_sent, canonical, as_sent_raw = chat_view(original) or {}, chat_view(body) or {}, None
+                as_sent, as_sent_raw = chat_view(original) or {}, None
+                canonical = canonical_chat_view(body, tenant.canonicalize) or {}
                 if not canonical.get("messages"):
                     return []
             return await self.warner.check_within_budget(

@@ -25,7 +25,7 @@ def test_canonical_tools_format_and_arguments_without_touching_the_input_body():
                        "tool_calls.arguments_canonical"]
     assert [t["name"] for t in body["tools"]] == ["alpha", "zeta"]
     assert list(body["text"]["format"]) == ["name", "schema", "type"]
-    assert body["input"][1]["arguments"] == '{"a":2,"b":1}'
+    assert body["input"][1]["arguments"] == '{"b":1,"a":2}'  # compact, member order kept
     assert canonicalize_responses(body, CanonicalizeSwitches()) == (body, [])  # idempotent
     assert canonicalize_responses(BODY, CanonicalizeSwitches(*(False,) * 5)) == (BODY, [])
 
