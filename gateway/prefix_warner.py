@@ -180,7 +180,8 @@ class PrefixWarner:
         self.inline_max_bytes = inline_max_bytes
         self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
-        self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
+        # tenant -> key -> (body, every key it is remembered under)
+        self._history: OrderedDict[str, OrderedDict[str, tuple[Any, tuple[str, ...]]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._lint_process: LintProcess | None = None
 
@@ -327,11 +328,18 @@ class PrefixWarner:
             self._history.move_to_end(tenant)
         previous = None
         for key in keys.lookup:
-            previous = conversations.pop(key, None)
-            if previous is not None:
+            found = conversations.pop(key, None)
+            if found is not None:
+                previous = found[0]
+                for other in found[1]:  # its other keys go too: it is no one else's latest turn
+                    if conversations.get(other) is found:
+                        del conversations[other]
                 break
         if body_size <= self.max_body_bytes:
-            conversations[keys.remember] = body
-            if len(conversations) > self.max_conversations:
-                conversations.popitem(last=False)
+            names = (keys.remember, *keys.also)  # also: by its latest model output
+            entry = (body, names)
+            for key in names:
+                conversations[key] = entry
+                if len(conversations) > self.max_conversations:
+                    conversations.popitem(last=False)
         return previous

@@ -59,7 +59,7 @@ class RequestFamilies:
         self._allowlist = tuple(allowlist)
         self._block_size = block_size
         self._first: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
-        self._last: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
+        self._last: dict[Hashable, tuple[Mapping[str, Any], Rendered, tuple[str, ...]]] = {}
 
     def add(self, body: Mapping[str, Any], rendered: Rendered | None = None) -> Divergence | None:
         """The divergence of ``body`` from its predecessor, or None (also for the first of a group)."""
@@ -70,8 +70,13 @@ class RequestFamilies:
         previous = None
         if keys is not None:
             for key in keys.lookup:
-                previous = self._last.get(key) if keys.explicit else self._last.pop(key, None)
-                if previous is not None:
+                found = self._last.get(key) if keys.explicit else self._last.pop(key, None)
+                if found is not None:
+                    previous = found[:2]
+                    if not keys.explicit:  # its other keys go too: it is no one else's latest turn
+                        for other in found[2]:
+                            if self._last.get(other) is found:
+                                del self._last[other]
                     break
         same_conversation = previous is not None
         if previous is None:
@@ -89,5 +94,8 @@ class RequestFamilies:
             )
         self._first.setdefault(family, (body, rendered))
         if keys is not None:
-            self._last[keys.remember] = (body, rendered)
+            names = (keys.remember, *keys.also)
+            entry = (body, rendered, names)
+            for key in names:
+                self._last[key] = entry
         return result

@@ -90,7 +90,11 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
     """A multi-turn support chat with one and then two parallel tool calls; ``breaks`` plants failures."""
     b = breaks or {}
     rng = log.rng
-    explicit = ids != "none"  # the turns of a chat without an id are tied only by extension
+    explicit = ids != "none"
+    # Without an id, a turn is tied to the one before by extension, or (from the third turn,
+    # once the turn before holds a model output) by repeating that output: linter/conversation.py.
+    def linked(turn: int) -> bool:
+        return explicit or turn >= 2
     user = f"cust_{4100 + n}"
     extra: dict[str, Any] = {"user": user}
     if ids == "metadata":
@@ -126,9 +130,9 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         if b.get("shuffle_tools") and t == b["shuffle_tools"]:
             tools = [START_RETURN, GET_ORDER, SEARCH_KB]
             expect.append("PS202")
-        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1 and explicit:
+        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1 and linked(t):
             expect.append("PS202")  # back to the usual order: it no longer extends the turn before
-        if b.get("reordered_schema") and t == b["reordered_schema"] + 1 and explicit:
+        if b.get("reordered_schema") and t == b["reordered_schema"] + 1 and linked(t):
             expect.append("PS203")
         if b.get("reordered_schema") and t == b["reordered_schema"]:
             tools = [GET_ORDER, {"type": "function", "function": {"name": "search_kb", "description": "Search the help-center articles.", "parameters": {"properties": {"query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 5}}, "type": "object", "required": ["query"]}}}, START_RETURN]
@@ -136,12 +140,12 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         sent = history
         if b.get("window") and t == 2:
             sent = history[3:]  # prefixgate: noqa: PS305 (the planted sliding window of this corpus)
-            if explicit:  # without an id, a rewritten history is another conversation: nothing to compare
+            if linked(t):  # the window still repeats the model's reply to the turn before
                 expect.append("PS204")
         if b.get("reserialize") and t == 2:
             sent = [dict(m) for m in history]
             sent[1] = {**sent[1], "tool_calls": [{**sent[1]["tool_calls"][0], "function": {"name": "get_order", "arguments": json.dumps({"order_id": f"LK-10{n}"}, indent=1)}}]}
-            if explicit:
+            if linked(t):
                 expect.append("PS203")
         if b.get("reorder_results") and t == 2:
             sent = [*history[:-5], history[-4], history[-5], *history[-3:]]
@@ -149,12 +153,12 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         if b.get("tool_choice") and t == b["tool_choice"]:
             body["tool_choice"] = {"type": "function", "function": {"name": "start_return"}}
             expect.append("PS205")
-        if b.get("tool_choice") and t == b["tool_choice"] + 1 and explicit:
+        if b.get("tool_choice") and t == b["tool_choice"] + 1 and linked(t):
             expect.append("PS205")
         if b.get("request_id_in_tools"):
             body["tools"] = [*tools[:2], {"type": "function", "function": {**START_RETURN["function"], "description": f"Open a return (trace {rng.getrandbits(64):016x})."}}]
             # The first turn differs from the application's usual tool in more than the value: a changed definition.
-            expect.append("PS201" if t and explicit else "PS202")
+            expect.append("PS201" if t and linked(t) else "PS202")
         log.add(body, expect)
         if b.get("retry") and t == 1:
             log.add(body)  # the SDK retried after a timeout: the same request again
@@ -186,6 +190,8 @@ def coding_session(log: Log, n: int, *, breaks: dict[str, Any] | None = None) ->
         expect: list[str] = []
         if b.get("crlf") and t == 2:  # this turn's prompt file was read with Windows line endings
             dev = CODER.replace("\n", "\r\n")
+            expect.append("PS206")
+        if b.get("crlf") and t == 3:  # back to "\n": tied to the CRLF turn by its tool call, no longer its extension
             expect.append("PS206")
         log.add({"model": "gpt-4.1", "messages": [{"role": "developer", "content": dev}, *history], "tools": CODER_TOOLS, "parallel_tool_calls": True}, expect)
         history.append({"role": "assistant", "content": None, "tool_calls": [_call(f"call_{n}_{t}", "read_file", {"path": f"src/parse_{n}.py"})]})
