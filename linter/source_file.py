@@ -8,9 +8,8 @@ problem, never raised.
 
 from __future__ import annotations
 
-import dataclasses
-
 import ast
+import dataclasses
 import io
 import re
 import tokenize

@@ -20,7 +20,7 @@ class TutorAgent:
 
     def system_prompt(self) -> str:
         persona = PERSONAS[self.rand.randint(0, 2)]  # expect: PS301
-        return "You are {}. Keep answers short for a {} learner.".format(persona, self.level)
+        return "You are {}. Keep answers short for a {} learner.".format(persona, self.level)  # noqa: UP032
 
     def request(self, question: str) -> dict[str, Any]:
         return {"messages": [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": question}]}
@@ -28,7 +28,7 @@ class TutorAgent:
 
 class QuizAgent(TutorAgent):
     def request(self, question: str) -> dict[str, Any]:
-        instructions = "Quiz started at %d." % self.clock()  # expect: PS301
+        instructions = "Quiz started at %d." % self.clock()  # noqa: UP031  # expect: PS301
         return {"instructions": instructions, "input": question}
 
 
@@ -43,7 +43,7 @@ class RouterAgent:
             "parameters": {"type": "object", "properties": {"module": {"type": "string"}}}}}]
 
     def request(self, question: str) -> dict[str, Any]:
-        system = "Route questions (build %s)." % build_label()  # expect: PS301
+        system = "Route questions (build %s)." % build_label()  # noqa: UP031  # expect: PS301
         return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
                 "tools": self.tools()}
 
@@ -61,7 +61,7 @@ def planner_request(goal: str) -> dict[str, Any]:
 
 
 def tagged_request(goal: str) -> dict[str, Any]:
-    instructions = "Session {tag}: plan carefully.".format(tag=session_tag())  # expect: PS301
+    instructions = "Session {tag}: plan carefully.".format(tag=session_tag())  # noqa: UP032  # expect: PS301
     return {"instructions": instructions, "input": goal}
 
 
@@ -72,5 +72,5 @@ def plugin_request(goal: str) -> dict[str, Any]:
 
 def seeded_request(goal: str) -> dict[str, Any]:
     rng = random.Random(42)  # a fixed seed: the same persona in every process
-    instructions = "You are {}.".format(PERSONAS[rng.randint(0, 2)])
+    instructions = "You are {}.".format(PERSONAS[rng.randint(0, 2)])  # noqa: UP032
     return {"instructions": instructions, "input": goal}

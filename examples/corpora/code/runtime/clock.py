@@ -19,7 +19,7 @@ def session_tag() -> str:
 
 
 def build_label() -> str:
-    return "%s" % time.strftime("%H%M%S")
+    return "%s" % time.strftime("%H%M%S")  # noqa: UP031
 
 
 def plugin_names() -> list[str]:
