@@ -41,6 +41,7 @@ compared whichever worker they reach.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
@@ -52,9 +53,12 @@ from gateway.lint_process import LintProcess
 from linter.api import (
     CONVERSATION_HEADER,
     ConversationKeys,
+    Turn,
     check_request,
     compare_requests,
     conversation_keys,
+    remember_turn,
+    take_previous,
 )
 
 log = logging.getLogger(__name__)
@@ -180,8 +184,8 @@ class PrefixWarner:
         self.inline_max_bytes = inline_max_bytes
         self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
-        # tenant -> key -> (body, every key it is remembered under)
-        self._history: OrderedDict[str, OrderedDict[str, tuple[Any, tuple[str, ...]]]] = OrderedDict()
+        self._history: OrderedDict[str, OrderedDict[str, Turn]] = OrderedDict()  # tenant -> key -> turn
+        self._seq = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
         self._lint_process: LintProcess | None = None
 
@@ -326,20 +330,9 @@ class PrefixWarner:
                 self._history.popitem(last=False)
         else:
             self._history.move_to_end(tenant)
-        previous = None
-        for key in keys.lookup:
-            found = conversations.pop(key, None)
-            if found is not None:
-                previous = found[0]
-                for other in found[1]:  # its other keys go too: it is no one else's latest turn
-                    if conversations.get(other) is found:
-                        del conversations[other]
-                break
+        turn = take_previous(conversations, keys)  # the most recent found, taken out under all its keys
         if body_size <= self.max_body_bytes:
-            names = (keys.remember, *keys.also)  # also: by its latest model output
-            entry = (body, names)
-            for key in names:
-                conversations[key] = entry
-                if len(conversations) > self.max_conversations:
-                    conversations.popitem(last=False)
-        return previous
+            remember_turn(conversations, keys, body, next(self._seq))  # also by its latest model output
+            while len(conversations) > self.max_conversations:
+                conversations.popitem(last=False)
+        return None if turn is None else turn.value

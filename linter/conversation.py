@@ -40,17 +40,20 @@ model output with what follows it). Keys are SHA-256 chains over the
 canonical JSON of the messages, one message digest each: finding the
 predecessor costs one digest per message, a few dozen 32-byte hashes for the
 latest :data:`OUTPUTS_LOOKED_UP` outputs, and one dictionary lookup per key.
-Keys are looked up longest first: the earlier request covering most of this
-one's messages is its latest turn (an extension, or a turn whose output and
-everything after it this request repeats), ahead of an older turn it also
-extends. The caller scopes the lookup (per tenant in the gateway, per log in
+When several earlier requests are found (an older turn this one extends, and
+a later turn whose output it repeats), the **most recent** is the previous turn:
+:func:`take_previous` and :class:`Turn` are the one implementation of that
+choice, for the gateway's history and the linter's log pass alike. A request
+that repeats another conversation's reply *and* everything after it, sent after
+that conversation's own turn, is ambiguous by content alone; an explicit id
+settles it. The caller scopes the lookup (per tenant in the gateway, per log in
 the linter).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +88,42 @@ class ConversationKeys:
     explicit: bool
     shared: bool = False
     also: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Turn:
+    """A remembered request: ``value`` (whatever the caller keeps), the keys it is stored
+    under, and a sequence number (larger is more recent)."""
+
+    value: Any
+    names: tuple[str, ...]
+    seq: int
+
+
+def remember_turn(store: MutableMapping[str, Turn], keys: ConversationKeys, value: Any, seq: int) -> Turn:
+    """Store ``value`` under every key of ``keys`` (``remember`` and ``also``); changes ``store``."""
+    turn = Turn(value, (keys.remember, *keys.also), seq)
+    for name in turn.names:
+        store[name] = turn
+    return turn
+
+
+def take_previous(store: MutableMapping[str, Turn], keys: ConversationKeys, *, remove: bool = True) -> Turn | None:
+    """The most recent turn stored under any of ``keys.lookup``, or None.
+
+    With ``remove`` it leaves ``store`` under all its keys (it is the latest turn of
+    no other request any more); changes ``store`` then, else only reads it.
+    """
+    latest: Turn | None = None
+    for key in keys.lookup:
+        turn = store.get(key)
+        if turn is not None and (latest is None or turn.seq > latest.seq):
+            latest = turn
+    if latest is not None and remove:
+        for name in latest.names:
+            if store.get(name) is latest:
+                del store[name]
+    return latest
 
 
 def explicit_id(body: Mapping[str, Any], header: str | None = None) -> tuple[str, bool] | None:

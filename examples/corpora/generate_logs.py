@@ -228,6 +228,37 @@ def hi_chat(log: Log, n: int, extra: dict[str, Any] | None = None) -> None:
     log.add({"model": "gpt-4o-mini", "messages": [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}], **(extra or {})})
 
 
+RECIPE_REPLY = ("A simple tomato soup: soften an onion and two garlic cloves in olive oil, add 800 g of "
+                "tomatoes and 500 ml of stock, simmer 20 minutes, then blend and season.")
+
+
+def edited_opener(log: Log, n: int, *, edit: bool) -> None:
+    """A chat logged without any id whose app lets the user edit their first message after the
+    model answered: the later turns repeat the model's reply verbatim (PS204 when edited)."""
+    first = ["How do I make tomato soup?", "What is a quick tomato soup recipe?"][n % 2]
+    opener = [{"role": "system", "content": GENERAL}, {"role": "user", "content": first}]
+    log.add({"model": "gpt-4o-mini", "messages": opener, "temperature": 0})
+    turn2 = [*opener, {"role": "assistant", "content": RECIPE_REPLY}, {"role": "user", "content": "Can I use canned tomatoes?"}]
+    log.add({"model": "gpt-4o-mini", "messages": turn2, "temperature": 0})
+    sent = [dict(m) for m in turn2]
+    if edit:
+        sent[1] = {"role": "user", "content": first + " It should be vegan."}
+    turn3 = [*sent, {"role": "assistant", "content": "Yes: two 400 g cans work well."}, {"role": "user", "content": "And how long does it keep?"}]
+    log.add({"model": "gpt-4o-mini", "messages": turn3, "temperature": 0}, ["PS204"] if edit else None)
+
+
+def greeting_twins(log: Log, n: int) -> None:
+    """Unrelated chats at temperature 0: the same system prompt, the same "hi", hence the same
+    reply, then different questions and a third turn each. Never one conversation."""
+    reply = "Hello! How can I help you today?"
+    follow = ["Which is the longest river in Europe?", "Suggest a name for a grey cat.", "How many grams in a cup of flour?"][n % 3]
+    turn2 = [{"role": "system", "content": GENERAL}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+    log.add({"model": "gpt-4o-mini", "messages": turn2, "temperature": 0})
+    log.add({"model": "gpt-4o-mini", "messages": [*turn2, {"role": "assistant", "content": f"Answer {n}."},
+                                                  {"role": "user", "content": "Thanks!"}], "temperature": 0})
+
+
 def clean() -> Log:
     log = Log(11)
     for n in range(12):
@@ -243,6 +274,10 @@ def clean() -> Log:
         hi_chat(log, n, {"prompt_cache_key": "general-assistant-v2"})
     for n in range(3):
         photo_chat(log, n)
+    for n in range(6):  # interleaved: every chat's first two turns, then every chat's third
+        greeting_twins(log, n)
+    for n in range(4):
+        edited_opener(log, n, edit=False)
     return log
 
 
@@ -269,6 +304,9 @@ def breaks() -> Log:
             coding_session(log, 100 + n, breaks={"crlf": n in (3, 9)})
     for n in range(4):
         photo_chat(log, 10 + n, resign=n % 2 == 0)
+    for n in range(4):
+        edited_opener(log, 20 + n, edit=n % 2 == 0)
+        greeting_twins(log, 20 + n)
     return log
 
 
