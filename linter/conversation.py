@@ -180,18 +180,24 @@ def _output_identity(message: Any) -> bytes | None:
     return orjson.dumps({"calls": calls, "text": text}, option=orjson.OPT_SORT_KEYS)
 
 
+def _covered(entry: tuple[int, str]) -> int:
+    return entry[0]
+
+
 def _output_keys(scope: bytes, identities: list[tuple[int, bytes]],
-                 digests: list[bytes]) -> tuple[list[tuple[int, str]], str | None]:
+                 digests: dict[int, bytes]) -> tuple[list[tuple[int, str]], str | None]:
     """``(messages covered, key)`` to look up by the latest outputs, and the key to also
     remember the request under (its latest output and everything after it)."""
     lookup: list[tuple[int, str]] = []
     remember = None
-    for rank, (index, identity) in enumerate(reversed(identities[-OUTPUTS_LOOKED_UP:])):
+    for rank, (index, identity) in enumerate(reversed(identities)):
         chain = hashlib.sha256(scope + b"\x00" + identity)
         lookup.append((index + 1, "out:" + chain.hexdigest()))
-        for end, digest in enumerate(digests[index + 1 :], start=index + 2):
-            chain.update(digest)
-            lookup.append((end, "out:" + chain.hexdigest()))
+        position = index + 1
+        while position in digests:  # the messages after the output, one key per length
+            chain.update(digests[position])
+            position += 1
+            lookup.append((position, "out:" + chain.hexdigest()))
         if rank == 0:
             remember = lookup[-1][1]
     return lookup, remember
@@ -217,22 +223,26 @@ def conversation_keys(body: Mapping[str, Any], header: str | None = None) -> Con
         chain.update(orjson.dumps([body.get(k) for k in _SCOPE_FIELDS], option=orjson.OPT_SORT_KEYS))
         scope = orjson.dumps([body.get(k) for k in _OUTPUT_SCOPE_FIELDS], option=orjson.OPT_SORT_KEYS)
         keys: list[tuple[int, str]] = []
-        digests: list[bytes] = []
-        identities: list[tuple[int, bytes]] = []
+        encoded: list[bytes] = []
         for count, message in enumerate(messages, start=1):
-            encoded = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
-            chain.update(b"\x00" + encoded)
-            digests.append(hashlib.sha256(encoded).digest())
-            identity = _output_identity(message)
-            if identity is not None:
-                identities.append((count - 1, identity))
+            encoded.append(orjson.dumps(message, option=orjson.OPT_SORT_KEYS))
+            chain.update(b"\x00" + encoded[-1])
             if count >= anchor:
                 keys.append((count, "ext:" + chain.copy().hexdigest()))
+        identities: list[tuple[int, bytes]] = []  # the latest outputs only, oldest first
+        for index in range(len(messages) - 1, -1, -1):
+            if len(identities) == OUTPUTS_LOOKED_UP:
+                break
+            identity = _output_identity(messages[index])
+            if identity is not None:
+                identities.insert(0, (index, identity))
+        first = identities[0][0] if identities else len(messages)
+        digests = {i: hashlib.sha256(encoded[i]).digest() for i in range(first + 1, len(messages))}
     except (TypeError, orjson.JSONEncodeError):
         return None
     by_output, by_latest = _output_keys(scope, identities, digests)
     also = () if by_latest is None else (by_latest,)
     # The longest earlier request this one continues first (a retry finds its original
     # first); at equal length an extension before a repeated output.
-    ranked = sorted([(-end, 0, key) for end, key in keys] + [(-end, 1, key) for end, key in by_output])
-    return ConversationKeys(tuple(key for _, _, key in ranked), keys[-1][1], False, also=also)
+    ranked = sorted(keys + by_output, key=_covered, reverse=True) if by_output else reversed(keys)  # stable
+    return ConversationKeys(tuple(key for _, key in ranked), keys[-1][1], False, also=also)
