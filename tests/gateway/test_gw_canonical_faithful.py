@@ -200,30 +200,21 @@ def test_tool_results_keep_their_order_by_default(servers):
 
 def test_one_tool_through_responses_then_chat_is_no_ps203(servers):
     """The same tool sent through /v1/responses and then /v1/chat/completions has one canonical
-    form, so the chat turn that repeats the Responses turn is no 'different JSON key order'."""
+    form, so the chat turn that repeats the Responses turn is no 'different JSON key order'
+    (it was PS203 with ~190 tokens lost while the engine reported the prompt cached)."""
     headers = {"x-prefixgate-conversation": "cross-endpoint-1"}
-    flat = {"type": "function", "name": "book_hotel", "description": BOOK["function"]["description"],
-            "parameters": BOOK["function"]["parameters"]}
+    description = "Book a hotel room for the guest. " + "Rooms are booked per night, breakfast optional. " * 12
+    function = {**BOOK["function"], "description": description}
+    flat = {"type": "function", **function}
     first = httpx.post(servers[0] + "/v1/responses", timeout=600,
                        headers={**headers, "authorization": f"Bearer {key('canon')}"},
                        json={"model": MODEL, "instructions": "You book hotels.", "tools": [flat],
                              "input": "Book two nights in Paris.", "max_output_tokens": 4, "temperature": 0})
     assert first.status_code == 200, first.text
     raw = via(servers, "canon").chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=4, temperature=0, tools=[BOOK], extra_headers=headers,
-        messages=[{"role": "system", "content": "You book hotels."},
-                  {"role": "user", "content": "Book two nights in Paris."}])
+        model=MODEL, max_tokens=4, temperature=0, tools=[{"type": "function", "function": function}],
+        extra_headers=headers, messages=[{"role": "system", "content": "You book hotels."},
+                                         {"role": "user", "content": "Book two nights in Paris."}])
     assert "PS203" not in raw.headers.get("x-prefixgate-warnings", "")
-    assert raw.parse().usage.prompt_tokens_details.cached_tokens >= raw.parse().usage.prompt_tokens - 16
-    # the check can fail: the same pair with the tool's keys in another order in chat is reported
-    reordered = {"function": {k: BOOK["function"][k] for k in reversed(list(BOOK["function"]))}, "type": "function"}
-    worse = via(servers, "off").chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=4, temperature=0, tools=[reordered],
-        extra_headers={"x-prefixgate-conversation": "cross-endpoint-2"},
-        messages=[{"role": "system", "content": "You book hotels."}, {"role": "user", "content": "Book."}])
-    again = via(servers, "off").chat.completions.with_raw_response.create(
-        model=MODEL, max_tokens=4, temperature=0, tools=[BOOK],
-        extra_headers={"x-prefixgate-conversation": "cross-endpoint-2"},
-        messages=[{"role": "system", "content": "You book hotels."}, {"role": "user", "content": "Book."}])
-    assert worse.status_code == 200
-    assert "PS203" in again.headers.get("x-prefixgate-warnings", "")
+    usage = raw.parse().usage
+    assert usage.prompt_tokens > 150 and usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16
