@@ -132,9 +132,9 @@ def planted() -> list[dict[str, Any] | tuple[str, dict[str, Any]]]:
         body([system(SUPPORT), user("Is it raining in Rome?")], "c8", TOOLS),
         # 14: PS205 - second turn changes tool_choice.
         body([system(SUPPORT), user("Is it raining in Rome?"), assistant("Let me check."), user("Please check now.")], "c8", TOOLS, tool_choice="required"),
-        # 15: PS104 - tool-call arguments with unsorted keys.
-        body([system(SUPPORT), user("Weather in Lyon in F?"), calls(call("call_9", "get_weather", '{"unit": "F", "city": "Lyon"}')), tool("call_9", '{"sky":"cloudy","temp_f":60}')], "c9", TOOLS),
-        # 16: PS104 + PS203 - the next turn re-serializes those arguments canonically.
+        # 15: PS104 - tool-call arguments in an odd spacing.
+        body([system(SUPPORT), user("Weather in Lyon in F?"), calls(call("call_9", "get_weather", '{"unit":  "F", "city": "Lyon"}')), tool("call_9", '{"sky":"cloudy","temp_f":60}')], "c9", TOOLS),
+        # 16: PS203 - the next turn re-serializes those arguments with sorted keys.
         body([system(SUPPORT), user("Weather in Lyon in F?"), calls(call("call_9", "get_weather", '{"city":"Lyon","unit":"F"}')), tool("call_9", '{"sky":"cloudy","temp_f":60}'), assistant("Cloudy, 60 °F."), user("Thanks.")], "c9", TOOLS),
     ]
 

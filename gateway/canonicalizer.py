@@ -1,19 +1,26 @@
 """Canonicalization of chat-completions bodies so equal prompts get equal prefixes.
 
 Every step is deterministic, idempotent (applying it twice equals applying it once)
-and semantics-preserving (JSON values compare equal before and after, only key
-order, tool order, tool-result order, argument whitespace, the list-vs-string
-form of a single text part, the string-vs-object form of an image URL or a
-default image ``detail`` change). User and assistant turns are never reordered
-or edited. Steps that changed something are reported by name, in this order:
+and changes only what carries no meaning: JSON values compare equal before and
+after, and nothing whose order is significant is reordered. Kept as sent: the
+member order of every ``properties`` object (constrained decoding writes an
+object's fields in the schema's order, as OpenAI's Structured Outputs do), every
+array (``prefixItems``, ``anyOf``/``oneOf``/``allOf``, ``enum``, ``required``),
+the values of ``const``/``enum``/``default``/``examples``, the member order of
+tool-call arguments (the order the model wrote them in), and the order of
+messages and content parts. User and assistant turns are never reordered or
+edited. The canonical JSON form is :func:`linter.canonical_json.sort_schema_keys`
+(one definition for the gateway and the linter). Steps that changed something are
+reported by name, in this order:
 
-- ``tools.keys_sorted``: object keys of each tool sorted recursively;
+- ``tools.keys_sorted``: order-free object keys of each tool sorted recursively
+  (a tool's envelope, its schema keywords; ``properties`` members keep their order);
 - ``tools.ordered_by_name``: tools ordered by ``function.name`` (only when every tool
   has a string name; a stable sort keeps duplicates in their order);
-- ``response_format.keys_sorted``: keys of ``response_format`` sorted recursively;
+- ``response_format.keys_sorted``: order-free keys of ``response_format`` sorted
+  recursively, as for tools;
 - ``tool_calls.arguments_canonical``: assistant ``tool_calls[].function.arguments``
-  that parse as JSON re-serialized compactly with sorted keys (else left as sent,
-  as is anything orjson cannot re-encode: more than 254 levels of nesting);
+  that parse as JSON re-serialized compactly, member order kept (else left as sent);
 - ``tool_results.reordered``: a run of tool messages right after an assistant turn
   put in that turn's ``tool_calls`` order (only when every id in the run is one
   of that turn's call ids and none repeats);
@@ -24,6 +31,10 @@ or edited. Steps that changed something are reported by name, in this order:
 - ``image_url.detail_auto_dropped``: ``"detail": "auto"`` is removed from an
   ``image_url`` object: ``auto`` is the default of OpenAI's API and vLLM and
   prefixgate's engine ignore ``detail``, so every upstream reads the part alike.
+
+Whether each step can change what a model generates or how a request is
+validated is tabled in docs/gateway.md ("Canonicalization") and checked on the
+real model by ``tests/gateway/test_gw_canonical_faithful.py``.
 
 Image steps never touch the URL (a ``data:`` URL's bytes, a remote address) and so
 never the pixels; ``detail`` values other than ``auto`` are kept (they change what
@@ -37,24 +48,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from gateway.config import CanonicalizeSwitches
+from linter.canonical_json import compact_arguments, is_schema_sorted, sort_schema_keys
 
 Body = dict[str, Any]
 
 
 def _sorted_json(value: Any) -> tuple[Any, bool]:
-    """``value`` with object keys sorted recursively, and whether that changed it
-    (left as sent when orjson cannot encode it, e.g. nested past its 254 levels)."""
-    try:
-        raw = orjson.dumps(value)
-        canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:
+    """``value`` in canonical schema form (order-free keys sorted, order-significant
+    parts kept: :func:`linter.canonical_json.sort_schema_keys`), and whether that changed it."""
+    if is_schema_sorted(value):
         return value, False
-    if raw == canonical:
-        return value, False
-    return orjson.loads(canonical), True
+    return sort_schema_keys(value), True
 
 
 def sort_tool_keys(body: Body) -> bool:
@@ -100,14 +105,8 @@ def sort_response_format_keys(body: Body) -> bool:
 
 
 def _canonical_arguments(arguments: Any) -> str | None:
-    """The canonical form of a JSON arguments string, or None to leave it as sent."""
-    if not isinstance(arguments, str):
-        return None
-    try:
-        canonical = orjson.dumps(orjson.loads(arguments), option=orjson.OPT_SORT_KEYS).decode("utf-8")
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested past 254 levels
-        return None
-    return None if canonical == arguments else canonical
+    """The canonical form of a JSON arguments string (compact, member order kept), or None to leave it as sent."""
+    return compact_arguments(arguments)
 
 
 def canonicalize_tool_call_arguments(body: Body) -> bool:

@@ -31,19 +31,25 @@ UPSTREAM_KINDS = ("vllm", "openai")
 
 @dataclass(frozen=True)
 class CanonicalizeSwitches:
-    """Which canonicalization steps a tenant gets (all on by default)."""
+    """Which canonicalization steps a tenant gets.
+
+    On by default: the steps that cannot change an answer (docs/gateway.md, "Canonicalization").
+    ``tool_result_order`` is off by default: it reorders messages, and the model reads
+    them in the order given (on the bundled model it changed a temperature-0 answer).
+    ``canonicalize = true`` means these defaults, ``false`` turns every step off.
+    """
 
     tools: bool = True
     response_format: bool = True
     tool_call_arguments: bool = True
-    tool_result_order: bool = True
+    tool_result_order: bool = False
     single_text_part: bool = True
     image_parts: bool = True
 
     @classmethod
     def from_value(cls, value: Any, where: str) -> CanonicalizeSwitches:
         if isinstance(value, bool):
-            return cls(*(value,) * len(cls.__dataclass_fields__))
+            return cls() if value else cls(*(False,) * len(cls.__dataclass_fields__))
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: expected a table or a boolean, got {value!r}")
         known = set(cls.__dataclass_fields__)

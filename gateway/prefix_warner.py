@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import sys
 from collections import Counter, OrderedDict
@@ -64,9 +65,12 @@ from gateway.pixel_rate import PixelRate
 from linter.api import (
     CONVERSATION_HEADER,
     ConversationKeys,
+    Turn,
     check_request,
     compare_requests,
     conversation_keys,
+    remember_turn,
+    take_previous,
 )
 from linter.image_parts import PixelBudget, pixel_budget
 
@@ -217,7 +221,8 @@ class PrefixWarner:
         self.loop_max_bytes = loop_max_bytes
         self.history: History = history or self
         self.pixels = pixels or PixelRate(max_tenants=max_tenants)
-        self._history: OrderedDict[str, OrderedDict[str, Mapping[str, Any]]] = OrderedDict()
+        self._history: OrderedDict[str, OrderedDict[str, Turn]] = OrderedDict()  # tenant -> key -> turn
+        self._seq = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
         self._lint_process: LintProcess | None = None
 
@@ -379,13 +384,9 @@ class PrefixWarner:
                 self._history.popitem(last=False)
         else:
             self._history.move_to_end(tenant)
-        previous = None
-        for key in keys.lookup:
-            previous = conversations.pop(key, None)
-            if previous is not None:
-                break
+        turn = take_previous(conversations, keys)  # the most recent found, taken out under all its keys
         if body_size <= self.max_body_bytes:
-            conversations[keys.remember] = body
-            if len(conversations) > self.max_conversations:
+            remember_turn(conversations, keys, body, next(self._seq))  # also by its latest model output
+            while len(conversations) > self.max_conversations:
                 conversations.popitem(last=False)
-        return previous
+        return None if turn is None else turn.value

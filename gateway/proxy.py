@@ -36,7 +36,7 @@ from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
-from gateway.responses_body import canonicalize_responses, chat_view
+from gateway.responses_body import canonical_chat_view, canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
 from gateway.upstream_kind import scoped_body
@@ -97,7 +97,7 @@ class Proxy:
         """Parse, canonicalize and scope one body, and encode what goes upstream. The first
         two items are what the prefix check sees: the body as sent (without its
         ``cache_salt``) and the canonical body, as chat requests (a Responses body's
-        :func:`chat_view`)."""
+        :func:`chat_view`; the canonical one in the chat canonical form)."""
         body = parse_body(raw, record.endpoint)
         record.model = body["model"]
         record.stream = bool(body.get("stream"))
@@ -109,7 +109,7 @@ class Proxy:
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
         if record.endpoint == "responses" and tenant.warnings:  # warned about as the chat request it stands for
-            original, body = chat_view(original) or {}, chat_view(body) or {}
+            original, body = chat_view(original) or {}, canonical_chat_view(body, tenant.canonicalize) or {}
         return original, body, upstream_body, strip_usage, orjson.dumps(upstream_body)
 
     async def _handle(self, request: Request, record: RequestRecord) -> Response:

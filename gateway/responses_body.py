@@ -14,7 +14,13 @@ without a second implementation of either side:
   name), ``text.format`` (keys sorted, reported as ``response_format.keys_sorted``)
   and ``function_call`` items' ``arguments`` (compact JSON with sorted keys).
   ``instructions`` and ``input`` texts are never edited. The input body is never
-  mutated.
+  mutated;
+* :func:`canonical_chat_view` is the chat view of a canonical Responses body put
+  through the chat canonicalizer too, so a tool (or schema, or call) has one
+  canonical form whichever endpoint carried it: the same tool sent through
+  ``/v1/responses`` and then ``/v1/chat/completions`` compares equal in the prefix
+  warnings (the Responses tool's flat keys would otherwise be nested in the
+  engine's translation order, a false PS203).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from gateway.canonicalizer import _canonical_arguments, _sorted_json, sort_tool_keys
+from gateway.canonicalizer import _canonical_arguments, _sorted_json, canonicalize, sort_tool_keys
 from gateway.config import CanonicalizeSwitches
 
 Body = dict[str, Any]
@@ -93,3 +99,9 @@ def canonicalize_responses(body: Body, switches: CanonicalizeSwitches) -> tuple[
     result = dict(body)
     applied = [name for switch, name, step in STEPS if getattr(switches, switch) and step(result)]
     return result, applied
+
+
+def canonical_chat_view(body: Body, switches: CanonicalizeSwitches) -> Body | None:
+    """The chat view of ``body`` (a canonical Responses body) in the chat canonical form, or None."""
+    view = chat_view(body)
+    return None if view is None else canonicalize(view, switches)[0]

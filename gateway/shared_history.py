@@ -18,7 +18,7 @@ starts, so the next turn of a conversation (sent by the client after that
 response) finds it, whichever worker it reaches.
 
 Wire format: frames of a 4-byte big-endian length and a payload. A request is
-two frames, ``[tenant, lookup, remember, explicit, body_size]`` as JSON and the
+two frames, ``[tenant, lookup, remember, explicit, body_size, also]`` as JSON and the
 body's JSON (empty when larger than ``max_body_bytes``: not remembered); the reply
 is one frame, the previous body's JSON or empty. If the supervisor cannot be
 reached the worker logs it and checks the request on its own (warnings are
@@ -89,9 +89,9 @@ class HistoryServer:
                 reader = _reader(sock)
                 while True:
                     try:
-                        tenant, lookup, remember, explicit, body_size = orjson.loads(_recv(reader))
+                        tenant, lookup, remember, explicit, body_size, also = orjson.loads(_recv(reader))
                         body = _recv(reader)
-                        keys = ConversationKeys(tuple(lookup), remember, explicit)
+                        keys = ConversationKeys(tuple(lookup), remember, explicit, also=tuple(also))
                     except (EOFError, OSError, orjson.JSONDecodeError, ValueError, TypeError):
                         return
                     with owner._lock:
@@ -197,7 +197,7 @@ class HistoryClient:
         """Remember ``body`` as the conversation's latest turn; the future gives the previous
         one, or None (also when the server cannot be reached: logged, the request is checked
         alone). Once connected, the request is written before this returns."""
-        frames = (orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size]),
+        frames = (orjson.dumps([tenant, keys.lookup, keys.remember, keys.explicit, body_size, keys.also]),
                   orjson.dumps(body) if body_size <= self.max_body_bytes else b"")
         loop = asyncio.get_running_loop()
         connection = self._connection

@@ -7,7 +7,8 @@
   of the same conversation or family.
 * :func:`conversation_keys` (and :data:`CONVERSATION_HEADER`): which earlier
   request a request continues, one definition for the gateway and the linter
-  (:mod:`linter.conversation`).
+  (:mod:`linter.conversation`); :func:`remember_turn` / :func:`take_previous`
+  store a turn under its keys and find the most recent previous one.
 * :func:`rule_codes` and :func:`explain`: the registry and each rule's documentation.
 """
 
@@ -17,7 +18,14 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from linter import divergence
-from linter.conversation import CONVERSATION_HEADER, ConversationKeys, conversation_keys
+from linter.conversation import (
+    CONVERSATION_HEADER,
+    ConversationKeys,
+    Turn,
+    conversation_keys,
+    remember_turn,
+    take_previous,
+)
 from linter.finding import Finding
 from linter.registry import all_rules, default_codes, get_rule
 from linter.request_families import family_key
@@ -29,12 +37,15 @@ IN_MEMORY_PATH = "<request>"
 __all__ = [
     "CONVERSATION_HEADER",
     "ConversationKeys",
+    "Turn",
     "check_request",
     "compare_requests",
     "conversation_keys",
     "explain",
     "family_key",
+    "remember_turn",
     "rule_codes",
+    "take_previous",
 ]
 
 

@@ -1,9 +1,23 @@
-"""Canonical JSON: keys sorted at every level, compact separators.
+"""Canonical JSON: one spelling per value, without reordering anything whose order means something.
 
-Two JSON values that are equal as data have the same canonical form, so a
-template that serializes canonical values renders equal tools, schemas and
-tool-call arguments to identical tokens. :func:`canonicalize_body` is the fix
-PS104 simulates; it returns the same object when nothing changes.
+Two spellings of one canonical form, for the gateway and the linter alike:
+
+* :func:`sort_keys` / :func:`canonical_text`: keys sorted at every level, compact
+  separators. For comparing values as data (is this the same tool, the same
+  arguments?), never for what is sent upstream.
+* :func:`sort_schema_keys`: the form the gateway sends and PS104 asks for. Keys
+  of tools, tool schemas and ``response_format`` are sorted where their order is
+  free, and kept where it is significant: the members of ``properties`` and
+  ``patternProperties`` keep their order (constrained decoding, like OpenAI's
+  Structured Outputs, writes an object's fields in the schema's order, so sorting
+  them changes the answer), and the values of ``const``, ``enum``, ``default``
+  and ``examples`` are data, kept exactly as sent. Arrays are never reordered
+  (``prefixItems``, ``anyOf``/``oneOf``/``allOf``, ``enum``, ``required``).
+* :func:`compact_arguments`: a tool call's JSON arguments re-serialized compactly,
+  member order kept (the order the model wrote them in).
+
+:func:`canonicalize_body` is the fix PS104 simulates; it returns the same object
+when nothing changes.
 """
 
 from __future__ import annotations
@@ -25,14 +39,82 @@ def sort_keys(value: Any) -> Any:
     return value
 
 
-def is_sorted(value: Any) -> bool:
-    """True when every object inside ``value`` lists its keys in sorted order."""
+ORDERED_MEMBERS = frozenset({"properties", "patternProperties"})
+"""Schema keywords whose members' order is significant (generation order): kept."""
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose value is data, not schema: kept exactly as sent."""
+
+
+def sort_schema_keys(value: Any) -> Any:
+    """``value`` (a tool, a schema, a ``response_format``) with order-free keys sorted.
+
+    Members of ``properties``/``patternProperties`` keep their order (each member
+    is a schema, handled recursively); ``const``/``enum``/``default``/``examples``
+    values are kept as sent; lists keep their order. Idempotent.
+    """
+    if isinstance(value, (dict, Mapping)):
+        out: dict[Any, Any] = {}
+        for key in sorted(value, key=str):
+            child = value[key]
+            if key in DATA_KEYWORDS:
+                out[key] = child
+            elif key in ORDERED_MEMBERS and isinstance(child, (dict, Mapping)):
+                out[key] = {name: sort_schema_keys(member) for name, member in child.items()}
+            else:
+                out[key] = sort_schema_keys(child)
+        return out
+    if isinstance(value, list):
+        return [sort_schema_keys(v) for v in value]
+    return value
+
+
+def first_schema_unsorted(value: Any, path: str) -> str | None:
+    """JSON path of the first object whose order-free keys are not sorted (see
+    :func:`sort_schema_keys`), or None when ``value`` is in canonical form."""
     if isinstance(value, (dict, Mapping)):
         keys = [str(k) for k in value]
-        return keys == sorted(keys) and all(is_sorted(v) for v in value.values())
-    if isinstance(value, list):
-        return all(is_sorted(v) for v in value)
-    return True
+        if keys != sorted(keys):
+            return path
+        for key, child in value.items():
+            if key in DATA_KEYWORDS:
+                continue
+            if key in ORDERED_MEMBERS and isinstance(child, (dict, Mapping)):
+                for name, member in child.items():
+                    found = first_schema_unsorted(member, f"{path}.{key}.{name}")
+                    if found is not None:
+                        return found
+                continue
+            found = first_schema_unsorted(child, f"{path}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            found = first_schema_unsorted(child, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def is_schema_sorted(value: Any) -> bool:
+    """True when ``value`` is in :func:`sort_schema_keys` form."""
+    return first_schema_unsorted(value, "") is None
+
+
+def compact_arguments(arguments: Any) -> str | None:
+    """Tool-call ``arguments`` that parse as JSON, compact with member order kept; else None.
+
+    None also when the text already is that form, or is nested too deep to re-encode.
+    """
+    if not isinstance(arguments, str):
+        return None
+    ok, value = parse_json(arguments)
+    if not ok:
+        return None
+    try:
+        compact = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+    return None if compact == arguments else compact
 
 
 def canonical_text(value: Any) -> str:
@@ -57,11 +139,10 @@ def _canonical_arguments(message: Mapping[str, Any]) -> Mapping[str, Any]:
     for call in calls:
         function = call.get("function") if isinstance(call, (dict, Mapping)) else None
         args = function.get("arguments") if isinstance(function, (dict, Mapping)) else None
-        if isinstance(args, str):
-            ok, value = parse_json(args)
-            if ok and canonical_text(value) != args:
-                call = {**call, "function": {**function, "arguments": canonical_text(value)}}  # type: ignore[dict-item]
-                changed = True
+        compact = compact_arguments(args)
+        if compact is not None:
+            call = {**call, "function": {**function, "arguments": compact}}  # type: ignore[dict-item]
+            changed = True
         new_calls.append(call)
     return {**message, "tool_calls": new_calls} if changed else message
 
@@ -72,14 +153,16 @@ def _sorted_parameters(tools: Any) -> Any:
     out: list[Any] = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, (dict, Mapping)) else None
-        if isinstance(function, (dict, Mapping)) and "parameters" in function and not is_sorted(function["parameters"]):
-            tool = {**tool, "function": {**function, "parameters": sort_keys(function["parameters"])}}
+        if (isinstance(function, (dict, Mapping)) and "parameters" in function
+                and not is_schema_sorted(function["parameters"])):
+            tool = {**tool, "function": {**function, "parameters": sort_schema_keys(function["parameters"])}}
         out.append(tool)
     return out if any(a is not b for a, b in zip(out, tools, strict=True)) else tools
 
 
 def canonicalize_body(body: Body, *, whole_tools: bool = True) -> Body:
-    """``body`` with tools, response_format and tool-call arguments in canonical form.
+    """``body`` with tools, response_format (:func:`sort_schema_keys`) and tool-call
+    arguments (:func:`compact_arguments`) in canonical form.
 
     With ``whole_tools=False`` only each tool's ``parameters`` schema is sorted
     (the part PS104 checks); the envelope keys keep their order.
@@ -87,15 +170,15 @@ def canonicalize_body(body: Body, *, whole_tools: bool = True) -> Body:
     fixed: dict[str, Any] = dict(body)
     changed = False
     tools = body.get("tools")
-    if whole_tools and tools is not None and not is_sorted(tools):
-        fixed["tools"] = sort_keys(tools)
+    if whole_tools and tools is not None and not is_schema_sorted(tools):
+        fixed["tools"] = sort_schema_keys(tools)
         changed = True
     elif not whole_tools and _sorted_parameters(tools) is not tools:
         fixed["tools"] = _sorted_parameters(tools)
         changed = True
     response_format = body.get("response_format")
-    if response_format is not None and not is_sorted(response_format):
-        fixed["response_format"] = sort_keys(response_format)
+    if response_format is not None and not is_schema_sorted(response_format):
+        fixed["response_format"] = sort_schema_keys(response_format)
         changed = True
     raw = body.get("messages")
     if isinstance(raw, list):

@@ -87,7 +87,7 @@ def is_same_conversation(previous: Mapping[str, Any], current: Mapping[str, Any]
         return False
     if a.explicit or b.explicit:
         return a.explicit and b.explicit and a.remember == b.remember
-    return a.remember in b.lookup
+    return any(key in b.lookup for key in (a.remember, *a.also))
 
 
 def _encode(rendered: Rendered, end: int, tokenizer: Tokenizer) -> list[int]:

@@ -4,12 +4,18 @@ A source finding names a **cause** (a call to ``datetime.now()``, a set iterated
 in arbitrary order, ``json.dumps`` of a dict whose key order varies, a user's
 data, a history slice) that **reaches** a part of a chat request whose bytes
 should not change: the static prefix (system/developer text, tools, response
-format) or the history. Values are followed, within one module, through
-assignments, f-strings, ``.format``, ``%``, concatenation, ``str.join``, calls
-(arguments flow into the result), function returns (also of functions used or
-registered as system prompts, e.g. ``@agent.system_prompt`` or
-``instructions=build_instructions``), loops and module-level names (sets,
-dicts, constants). ``sorted(...)`` removes an order cause; fixed-order literals
+format) or the history. Values are followed through assignments, f-strings,
+``.format``, ``%``, concatenation, ``str.join``, calls (arguments flow into the
+result), function returns (also of functions used or registered as system
+prompts, e.g. ``@agent.system_prompt`` or ``instructions=build_instructions``),
+loops, module-level names (sets, dicts, constants), instance attributes
+(``self.x = ...`` in any method is what ``self.x`` reads in every method of the
+module), and the returns of functions imported from sibling modules
+(``from .helpers import stamp``: that module is analysed too, one level deep, and
+its cause is reported at the call that brings it into this module). A random
+generator or a clock kept as a value (``self.rand = random.Random()``,
+``self.clock = time.time``) makes every call of it, or of its methods, volatile;
+``random.Random(42)`` (a constant seed) does not. ``sorted(...)`` removes an order cause; fixed-order literals
 never have one. Each cause is reported once, at the cause, whatever number of
 sinks it reaches.
 
@@ -26,9 +32,9 @@ Sinks (where a value enters a request):
   ``self.history``, returns of functions named for messages or history and of
   ``get_items``-style methods of session/memory classes.
 
-This is a lint, not a proof: values are not followed into other modules or
-through parameters of module functions, and a branch's assignment replaces the
-other branch's. It favours precision: a cause is only reported when a sink is
+This is a lint, not a proof: values are not followed through parameters of
+module functions, attributes are not told apart by class, and a branch's
+assignment replaces the other branch's. It favours precision: a cause is only reported when a sink is
 seen.
 """
 
@@ -39,6 +45,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from linter import python_ast as pa
 
@@ -63,6 +70,8 @@ _UNORDERED_CALLS = {"set", "frozenset", "os.listdir", "listdir", "glob.glob", "g
 _UNORDERED_METHODS = {"iterdir", "glob", "rglob", "union", "intersection", "difference", "symmetric_difference"}
 _EXECUTORS = {"to_thread", "run_in_executor", "run_sync"}
 _ORDER_FREE = {"len", "sorted", "min", "max", "sum", "any", "all", "isinstance", "bool", "hash", "id", "type", "callable"}
+_GENERATORS = {"random.Random", "Random", "random.SystemRandom", "SystemRandom", "secrets.SystemRandom",
+               "numpy.random.default_rng", "np.random.default_rng", "default_rng"}
 _RANDOM = {"random.random", "random.randint", "random.choice", "random.choices", "random.sample", "random.shuffle", "random.uniform", "random.randrange", "random.getrandbits"}
 
 
@@ -84,9 +93,11 @@ class Flow:
     causes: frozenset[Cause] = frozenset()
     unordered: Cause | None = None  # iterating it puts elements in arbitrary order (PS303 at the iteration)
     varying_keys: ast.AST | None = None  # a dict whose key order varies (PS302 at an unsorted json.dumps)
+    factory: str | None = None  # a random generator or a clock: calling it or its methods is volatile (PS301)
 
     def __or__(self, other: Flow) -> Flow:
-        return Flow(self.causes | other.causes, self.unordered or other.unordered, self.varying_keys or other.varying_keys)
+        return Flow(self.causes | other.causes, self.unordered or other.unordered, self.varying_keys or other.varying_keys,
+                    self.factory or other.factory)
 
 
 CLEAN = Flow()
@@ -139,8 +150,12 @@ def _sort_keys(call: ast.Call) -> bool:
 class _Module:
     """The analysis of one module: function returns to a fixpoint, then sinks (see the module docstring)."""
 
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, path: str | None = None, depth: int = 0) -> None:
         self.tree = tree
+        self.path = path
+        self.depth = depth
+        self.attributes: dict[str, Flow] = {}  # "self.x" -> what any method assigns to it
+        self.imported = _imported_functions(tree, path) if depth == 0 else {}
         self.functions: dict[str, list[ast.FunctionDef | ast.AsyncFunctionDef]] = {}
         self.owner: dict[ast.AST, str] = {}  # function -> enclosing class name
         for node in ast.walk(tree):
@@ -191,9 +206,11 @@ class _Module:
             return env[name]
         if name in self.module_env:
             return self.module_env[name]
-        return CLEAN
+        return self.attributes.get(name, CLEAN)
 
     def _flow_Name(self, node: ast.Name, env: dict[str, Flow]) -> Flow:
+        if node.id not in env and _is_clock(node):
+            return Flow(factory=node.id)
         if node.id in self.functions and node.id not in env and node.id not in self.module_env:
             # A function passed as a value (a tool, a callback) is not its result; system-prompt
             # callbacks are sinks themselves (their returns are checked as instructions).
@@ -204,8 +221,10 @@ class _Module:
         name = pa.dotted_name(node)
         if _is_user_name(name):
             return self._lookup(name, env) | _user_value(node)
-        if name in env or name in self.module_env:
+        if name in env or name in self.module_env or name in self.attributes:
             return self._lookup(name, env)
+        if _is_clock(node):
+            return Flow(factory=name)
         if node.attr in self.functions and name.split(".")[0] in ("self", "cls"):
             return CLEAN  # a method passed as a value, see _flow_Name
         return self.flow(node.value, env)
@@ -284,6 +303,15 @@ class _Module:
         args = [*node.args, *(k.value for k in node.keywords)]
         if pa.is_volatile_call(node) or name in _RANDOM or (last in ("now", "utcnow", "today") and "date" in name.lower()):
             return Flow(frozenset({_cause(PS301, node, name + "()")}))
+        if name in _GENERATORS:  # a generator seeded by the OS, unless the seed is a constant
+            seeded = bool(args) and all(isinstance(a, ast.Constant) and a.value is not None for a in args)
+            return CLEAN if seeded else Flow(factory=name + "()")
+        called = self.flow(node.func, env) if isinstance(node.func, ast.Name | ast.Attribute) else CLEAN
+        receiver = self.flow(node.func.value, env) if isinstance(node.func, ast.Attribute) else CLEAN
+        if called.factory or receiver.factory:  # self.clock(), self.rand.randint(...)
+            return Flow(frozenset({_cause(PS301, node, f"{name}() (from {called.factory or receiver.factory})")}))
+        if isinstance(node.func, ast.Name) and node.func.id in self.imported and node.func.id not in self.functions:
+            return self._imported_result(node, env, args)
         if name in ("sorted",):
             return _sorted(self._args(args, env))
         if name in _UNORDERED_CALLS or last in ("listdir", "scandir"):
@@ -327,6 +355,17 @@ class _Module:
         # given a customer directory is one tool for everyone; string building above keeps it.
         return out | Flow(frozenset(c for c in arguments.causes if c.code != PS304))
 
+    def _imported_result(self, node: ast.Call, env: dict[str, Flow], args: list[ast.expr]) -> Flow:
+        """A helper from a sibling module: its return's causes, reported at this call."""
+        assert isinstance(node.func, ast.Name)
+        source, function = self.imported[node.func.id]
+        returned = _module_returns(source).get(function, CLEAN)
+        causes = {_cause(c.code, node, f"{node.func.id}() ({Path(source).name}:{c.line}: {c.what})")
+                  for c in returned.causes if c.code in (PS301, PS302, PS303)}
+        unordered = _cause(PS303, node, f"{node.func.id}() ({returned.unordered.what})") if returned.unordered else None
+        return Flow(frozenset(causes), unordered) | Flow(frozenset(
+            c for c in self._args(args, env).causes if c.code != PS304))
+
     def _function_results(self, args: list[ast.expr]) -> Flow:
         out = CLEAN
         for arg in args:
@@ -345,12 +384,12 @@ class _Module:
 
     def run(self) -> list[Reach]:
         for _ in range(3):  # module names and function returns to a fixpoint
-            before = (dict(self.returns), dict(self.module_env))
+            before = (dict(self.returns), dict(self.module_env), dict(self.attributes))
             self._body(self.tree.body, self.module_env, None)
             for defs in self.functions.values():
                 for fn in defs:
                     self._function(fn)
-            if (dict(self.returns), dict(self.module_env)) == before:
+            if (dict(self.returns), dict(self.module_env), dict(self.attributes)) == before:
                 break
         self.reporting = True
         self._body(self.tree.body, self.module_env, None)
@@ -385,6 +424,8 @@ class _Module:
                 if isinstance(node, ast.AugAssign):
                     value = self._lookup(name, env) | value | loop
                 env[name] = value
+                if fn is not None and name.startswith("self.") and name.count(".") == 1:
+                    self.attributes[name] = self.attributes.get(name, CLEAN) | value
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 if isinstance(target, ast.Subscript):  # d["k"]["j"] = v: the container now holds v
@@ -577,6 +618,8 @@ def _walk_statement(statement: ast.stmt) -> Iterator[ast.AST]:
 
 def _is_tool_dict(node: ast.Dict) -> bool:
     keys = {pa.string_value(k) for k in node.keys if k is not None}
+    if "id" in keys or "call_id" in keys:  # a tool *call* ({"id", "type": "function", "function": ...}), not a definition
+        return False
     return pa.string_value(pa.dict_get(node, "type")) == "function" or ("parameters" in keys and ("name" in keys or "description" in keys))
 
 
@@ -612,11 +655,51 @@ def _is_int(node: ast.expr) -> bool:
 
 
 @lru_cache(maxsize=8)
-def analyze(tree: ast.Module) -> tuple[Reach, ...]:
-    """Every cause in ``tree`` that reaches a sink, once each, in source order (memoized per tree)."""
-    return tuple(_Module(tree).run())
+def analyze(tree: ast.Module, path: str | None = None) -> tuple[Reach, ...]:
+    """Every cause in ``tree`` that reaches a sink, once each, in source order (memoized per tree).
+
+    ``path`` (the module's file) lets imports from sibling modules be followed."""
+    return tuple(_Module(tree, path).run())
 
 
-def reaches(tree: ast.Module, code: str) -> Iterator[Reach]:
-    """The causes of rule ``code`` in ``tree`` that reach a sink."""
-    return (r for r in analyze(tree) if r.cause.code == code)
+def reaches(tree: ast.Module, code: str, path: str | None = None) -> Iterator[Reach]:
+    """The causes of rule ``code`` in ``tree`` (the file ``path``) that reach a sink."""
+    return (r for r in analyze(tree, path) if r.cause.code == code)
+
+
+def _is_clock(node: ast.Name | ast.Attribute) -> bool:
+    """A volatile function named as a value (``time.time``, ``datetime.now``), not called."""
+    return pa.is_volatile_call(ast.Call(func=node, args=[], keywords=[]))
+
+
+def _imported_functions(tree: ast.Module, path: str | None) -> dict[str, tuple[str, str]]:
+    """Local name -> (file, function) for ``from .mod import f`` / ``from pkg.mod import f``
+    whose module is a file next to ``path`` (or in a package above it)."""
+    if path is None:
+        return {}
+    here = Path(path).resolve().parent
+    found: dict[str, tuple[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        parts = node.module.split(".")
+        bases = [here.parents[node.level - 2] if node.level > 1 else here] if node.level else [here, *here.parents[:2]]
+        for base in bases:
+            candidate = base.joinpath(*parts).with_suffix(".py")
+            if candidate.is_file() and candidate != Path(path).resolve():
+                for alias in node.names:
+                    found[alias.asname or alias.name] = (str(candidate), alias.name)
+                break
+    return found
+
+
+@lru_cache(maxsize=64)
+def _module_returns(path: str) -> dict[str, Flow]:
+    """The function returns of the module in file ``path`` (not following its own imports)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    module = _Module(tree, path, depth=1)
+    module.run()
+    return module.returns

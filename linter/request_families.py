@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 from linter import chat_request
-from linter.conversation import conversation_keys
+from linter.conversation import Turn, conversation_keys, remember_turn, take_previous
 from linter.divergence import DEFAULT_BLOCK_SIZE, Divergence, compare
 from linter.render import Rendered, render
 from linter.rules.ps102 import mask_user_data
@@ -59,7 +59,8 @@ class RequestFamilies:
         self._allowlist = tuple(allowlist)
         self._block_size = block_size
         self._first: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
-        self._last: dict[Hashable, tuple[Mapping[str, Any], Rendered]] = {}
+        self._last: dict[str, Turn] = {}  # value: (body, rendered)
+        self._seq = 0
 
     def add(self, body: Mapping[str, Any], rendered: Rendered | None = None) -> Divergence | None:
         """The divergence of ``body`` from its predecessor, or None (also for the first of a group)."""
@@ -69,10 +70,8 @@ class RequestFamilies:
             rendered = render(body)
         previous = None
         if keys is not None:
-            for key in keys.lookup:
-                previous = self._last.get(key) if keys.explicit else self._last.pop(key, None)
-                if previous is not None:
-                    break
+            turn = take_previous(self._last, keys, remove=not keys.explicit)
+            previous = None if turn is None else turn.value
         same_conversation = previous is not None
         if previous is None:
             previous = self._first.get(family)
@@ -89,5 +88,6 @@ class RequestFamilies:
             )
         self._first.setdefault(family, (body, rendered))
         if keys is not None:
-            self._last[keys.remember] = (body, rendered)
+            self._seq += 1
+            remember_turn(self._last, keys, (body, rendered), self._seq)
         return result

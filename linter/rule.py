@@ -36,6 +36,7 @@ class Options:
     """Per-run knobs the rules read."""
 
     allowlist: tuple[str, ...] = ()
+    source_path: str | None = None  # the file a source rule checks (its sibling modules are followed)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ problem, never raised.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import re
 import tokenize
@@ -64,6 +65,7 @@ def lint_source(path: Path, rules: Collection[Rule], options: Options, problems:
 
 def lint_tree(name: str, source: str, tree: ast.Module, rules: Collection[Rule], options: Options) -> list[Finding]:
     suppressed = noqa_lines(source)
+    options = dataclasses.replace(options, source_path=name)
     findings: list[Finding] = []
     for rule in rules:
         if rule.check_source is None:

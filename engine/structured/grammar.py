@@ -9,8 +9,9 @@ it as its ``guidance`` backend.
 
 * :class:`GrammarCompiler` (one per tokenizer, thread-safe) turns a request's
   spec (a JSON schema, "any JSON object", or a tool-call grammar) into a
-  validated :class:`CompiledGrammar`; results are cached by the spec's canonical
-  JSON, so a schema is validated once. A spec the library cannot compile raises
+  validated :class:`CompiledGrammar`; results are cached by the spec's JSON with
+  its key order kept (the order of ``properties`` is the order the fields are
+  generated in, so two orders are two grammars), so a schema is validated once. A spec the library cannot compile raises
   ValueError carrying the library's message.
 * :class:`GrammarConstraint` is one sequence's matcher state. The sampler calls
   :meth:`~GrammarConstraint.mask` with the raw logits before picking a token and
@@ -97,7 +98,7 @@ class GrammarCompiler:
 
     # ----------------------------------------------------------------- private
     def _compile(self, kind: str, spec: dict[str, Any]) -> CompiledGrammar:
-        key = kind + ":" + json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        key = kind + ":" + json.dumps(spec, separators=(",", ":"))  # key order is meaning: not sorted
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -90,7 +90,11 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
     """A multi-turn support chat with one and then two parallel tool calls; ``breaks`` plants failures."""
     b = breaks or {}
     rng = log.rng
-    explicit = ids != "none"  # the turns of a chat without an id are tied only by extension
+    explicit = ids != "none"
+    # Without an id, a turn is tied to the one before by extension, or (from the third turn,
+    # once the turn before holds a model output) by repeating that output: linter/conversation.py.
+    def linked(turn: int) -> bool:
+        return explicit or turn >= 2
     user = f"cust_{4100 + n}"
     extra: dict[str, Any] = {"user": user}
     if ids == "metadata":
@@ -126,9 +130,9 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         if b.get("shuffle_tools") and t == b["shuffle_tools"]:
             tools = [START_RETURN, GET_ORDER, SEARCH_KB]
             expect.append("PS202")
-        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1 and explicit:
+        if b.get("shuffle_tools") and t == b["shuffle_tools"] + 1 and linked(t):
             expect.append("PS202")  # back to the usual order: it no longer extends the turn before
-        if b.get("reordered_schema") and t == b["reordered_schema"] + 1 and explicit:
+        if b.get("reordered_schema") and t == b["reordered_schema"] + 1 and linked(t):
             expect.append("PS203")
         if b.get("reordered_schema") and t == b["reordered_schema"]:
             tools = [GET_ORDER, {"type": "function", "function": {"name": "search_kb", "description": "Search the help-center articles.", "parameters": {"properties": {"query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 5}}, "type": "object", "required": ["query"]}}}, START_RETURN]
@@ -136,12 +140,12 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         sent = history
         if b.get("window") and t == 2:
             sent = history[3:]  # prefixgate: noqa: PS305 (the planted sliding window of this corpus)
-            if explicit:  # without an id, a rewritten history is another conversation: nothing to compare
+            if linked(t):  # the window still repeats the model's reply to the turn before
                 expect.append("PS204")
         if b.get("reserialize") and t == 2:
             sent = [dict(m) for m in history]
             sent[1] = {**sent[1], "tool_calls": [{**sent[1]["tool_calls"][0], "function": {"name": "get_order", "arguments": json.dumps({"order_id": f"LK-10{n}"}, indent=1)}}]}
-            if explicit:
+            if linked(t):
                 expect.append("PS203")
         if b.get("reorder_results") and t == 2:
             sent = [*history[:-5], history[-4], history[-5], *history[-3:]]
@@ -149,12 +153,12 @@ def support_chat(log: Log, n: int, *, system: str = SUPPORT, ids: str = "metadat
         if b.get("tool_choice") and t == b["tool_choice"]:
             body["tool_choice"] = {"type": "function", "function": {"name": "start_return"}}
             expect.append("PS205")
-        if b.get("tool_choice") and t == b["tool_choice"] + 1 and explicit:
+        if b.get("tool_choice") and t == b["tool_choice"] + 1 and linked(t):
             expect.append("PS205")
         if b.get("request_id_in_tools"):
             body["tools"] = [*tools[:2], {"type": "function", "function": {**START_RETURN["function"], "description": f"Open a return (trace {rng.getrandbits(64):016x})."}}]
             # The first turn differs from the application's usual tool in more than the value: a changed definition.
-            expect.append("PS201" if t and explicit else "PS202")
+            expect.append("PS201" if t and linked(t) else "PS202")
         log.add(body, expect)
         if b.get("retry") and t == 1:
             log.add(body)  # the SDK retried after a timeout: the same request again
@@ -186,6 +190,8 @@ def coding_session(log: Log, n: int, *, breaks: dict[str, Any] | None = None) ->
         expect: list[str] = []
         if b.get("crlf") and t == 2:  # this turn's prompt file was read with Windows line endings
             dev = CODER.replace("\n", "\r\n")
+            expect.append("PS206")
+        if b.get("crlf") and t == 3:  # back to "\n": tied to the CRLF turn by its tool call, no longer its extension
             expect.append("PS206")
         log.add({"model": "gpt-4.1", "messages": [{"role": "developer", "content": dev}, *history], "tools": CODER_TOOLS, "parallel_tool_calls": True}, expect)
         history.append({"role": "assistant", "content": None, "tool_calls": [_call(f"call_{n}_{t}", "read_file", {"path": f"src/parse_{n}.py"})]})
@@ -222,6 +228,37 @@ def hi_chat(log: Log, n: int, extra: dict[str, Any] | None = None) -> None:
     log.add({"model": "gpt-4o-mini", "messages": [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": follow}], **(extra or {})})
 
 
+RECIPE_REPLY = ("A simple tomato soup: soften an onion and two garlic cloves in olive oil, add 800 g of "
+                "tomatoes and 500 ml of stock, simmer 20 minutes, then blend and season.")
+
+
+def edited_opener(log: Log, n: int, *, edit: bool) -> None:
+    """A chat logged without any id whose app lets the user edit their first message after the
+    model answered: the later turns repeat the model's reply verbatim (PS204 when edited)."""
+    first = ["How do I make tomato soup?", "What is a quick tomato soup recipe?"][n % 2]
+    opener = [{"role": "system", "content": GENERAL}, {"role": "user", "content": first}]
+    log.add({"model": "gpt-4o-mini", "messages": opener, "temperature": 0})
+    turn2 = [*opener, {"role": "assistant", "content": RECIPE_REPLY}, {"role": "user", "content": "Can I use canned tomatoes?"}]
+    log.add({"model": "gpt-4o-mini", "messages": turn2, "temperature": 0})
+    sent = [dict(m) for m in turn2]
+    if edit:
+        sent[1] = {"role": "user", "content": first + " It should be vegan."}
+    turn3 = [*sent, {"role": "assistant", "content": "Yes: two 400 g cans work well."}, {"role": "user", "content": "And how long does it keep?"}]
+    log.add({"model": "gpt-4o-mini", "messages": turn3, "temperature": 0}, ["PS204"] if edit else None)
+
+
+def greeting_twins(log: Log, n: int) -> None:
+    """Unrelated chats at temperature 0: the same system prompt, the same "hi", hence the same
+    reply, then different questions and a third turn each. Never one conversation."""
+    reply = "Hello! How can I help you today?"
+    follow = ["Which is the longest river in Europe?", "Suggest a name for a grey cat.", "How many grams in a cup of flour?"][n % 3]
+    turn2 = [{"role": "system", "content": GENERAL}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": reply}, {"role": "user", "content": follow}]
+    log.add({"model": "gpt-4o-mini", "messages": turn2, "temperature": 0})
+    log.add({"model": "gpt-4o-mini", "messages": [*turn2, {"role": "assistant", "content": f"Answer {n}."},
+                                                  {"role": "user", "content": "Thanks!"}], "temperature": 0})
+
+
 def clean() -> Log:
     log = Log(11)
     for n in range(12):
@@ -237,6 +274,10 @@ def clean() -> Log:
         hi_chat(log, n, {"prompt_cache_key": "general-assistant-v2"})
     for n in range(3):
         photo_chat(log, n)
+    for n in range(6):  # interleaved: every chat's first two turns, then every chat's third
+        greeting_twins(log, n)
+    for n in range(4):
+        edited_opener(log, n, edit=False)
     return log
 
 
@@ -263,6 +304,9 @@ def breaks() -> Log:
             coding_session(log, 100 + n, breaks={"crlf": n in (3, 9)})
     for n in range(4):
         photo_chat(log, 10 + n, resign=n % 2 == 0)
+    for n in range(4):
+        edited_opener(log, 20 + n, edit=n % 2 == 0)
+        greeting_twins(log, 20 + n)
     return log
 
 

@@ -12,9 +12,11 @@ Anti-pattern
     turn 2 history: {"arguments": "{\\"unit\\":\\"C\\",\\"city\\":\\"Paris\\"}"}
 
 Better
-    Serialize canonically everywhere (json.dumps(value, sort_keys=True,
-    separators=(",", ":"))) and send back tool calls exactly as the model
-    produced them.
+    Send back tool calls exactly as the model produced them, and build tools
+    and schemas the same way every time. Sorting keys is safe for a schema's
+    keywords, but not for the members of ``properties``: their order is the
+    order the model writes the fields in, so keep one fixed order (the
+    gateway's canonicalization keeps it too).
 
 Fix used by the estimate: equal tools, response_format and arguments spelled
 the way the log first spelled them (one spelling per value, e.g. canonical JSON).

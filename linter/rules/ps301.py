@@ -46,7 +46,7 @@ from linter.rule import Hit, Options, Rule
 
 
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    for reach in reaches(tree, "PS301"):
+    for reach in reaches(tree, "PS301", options.source_path):
         yield Hit(f"{reach.cause.what} reaches the {reach.sink_text} of a chat request: its prefix changes on every call", line=reach.cause.line, column=reach.cause.column)
 
 

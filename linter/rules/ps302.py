@@ -40,7 +40,7 @@ from linter.rule import Hit, Options, Rule
 
 
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    for reach in reaches(tree, "PS302"):
+    for reach in reaches(tree, "PS302", options.source_path):
         yield Hit(f"json.dumps without sort_keys=True of a dict whose key order varies reaches the {reach.sink_text}: use sort_keys=True", line=reach.cause.line, column=reach.cause.column)
 
 

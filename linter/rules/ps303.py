@@ -40,7 +40,7 @@ from linter.rule import Hit, Options, Rule
 
 
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    for reach in reaches(tree, "PS303"):
+    for reach in reaches(tree, "PS303", options.source_path):
         yield Hit(f"{reach.cause.what} is iterated in arbitrary order into the {reach.sink_text}: the order changes between processes; use sorted(...)", line=reach.cause.line, column=reach.cause.column)
 
 

@@ -42,7 +42,7 @@ from linter.rule import Hit, Options, Rule
 
 
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    for reach in reaches(tree, "PS304"):
+    for reach in reaches(tree, "PS304", options.source_path):
         yield Hit(f"{reach.cause.what} is written into a tool definition: the tool block differs per user", line=reach.cause.line, column=reach.cause.column)
 
 

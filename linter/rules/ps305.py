@@ -48,7 +48,7 @@ from linter.rule import Hit, Options, Rule
 
 
 def check(tree: ast.Module, options: Options) -> Iterator[Hit]:
-    for reach in reaches(tree, "PS305"):
+    for reach in reaches(tree, "PS305", options.source_path):
         yield Hit(f"{reach.cause.what}: the messages sent drop or edit earlier turns, so every turn's prefix moves", line=reach.cause.line, column=reach.cause.column)
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.canonicalizer import STEP_NAMES, canonicalize
 from gateway.config import CanonicalizeSwitches
 
-ALL = CanonicalizeSwitches()
+ALL = CanonicalizeSwitches(tool_result_order=True)  # every step (tool_result_order is opt-in)
 NONE = CanonicalizeSwitches(*(False,) * len(CanonicalizeSwitches.__dataclass_fields__))
 
 keys = st.text(alphabet="abcxyz_", min_size=1, max_size=4)
@@ -28,7 +28,8 @@ tools = st.lists(
             {"function": {"parameters": params, "name": name}, "type": "function"}
             if swap else {"type": "function", "function": {"name": name, "parameters": params}}
         ),
-        keys, st.dictionaries(keys, json_values, max_size=3), st.booleans(),
+        keys, st.dictionaries(keys | st.sampled_from(["properties", "enum", "const"]), json_values, max_size=3),
+        st.booleans(),
     ),
     max_size=4,
 )
@@ -125,6 +126,66 @@ def test_equal_requests_in_any_tool_or_key_order_become_identical(body, order):
         assert orjson.dumps(canonicalize(shuffled, ALL)[0]) == orjson.dumps(canonicalize(body, ALL)[0])
 
 
+def ordered_parts(value, inside=None):
+    """What canonicalization must keep in order: the member names of every ``properties``
+    object, and ``const``/``enum``/``default``/``examples`` values byte for byte."""
+    found = []
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if key in ("const", "enum", "default", "examples"):
+                found.append((key, orjson.dumps(child)))
+                continue
+            if key in ("properties", "patternProperties") and isinstance(child, dict):
+                found.append((key, tuple(child)))
+                for member in child.values():
+                    found.extend(ordered_parts(member))
+                continue
+            found.extend(ordered_parts(child))
+    elif isinstance(value, list):
+        for child in value:
+            found.extend(ordered_parts(child))
+    return sorted(found)
+
+
+def argument_orders(body):
+    orders = []
+    for m in body["messages"]:
+        for c in m.get("tool_calls") or []:
+            try:
+                value = orjson.loads(c["function"]["arguments"])
+            except orjson.JSONDecodeError:
+                continue
+            orders.append(orjson.dumps(value))  # orjson keeps member order
+    return orders
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations())
+def test_order_significant_parts_are_kept(body):
+    """Field order (``properties``), data values and the model's argument order survive every step."""
+    once, _ = canonicalize(body, ALL)
+    assert sorted(map(ordered_parts, once["tools"])) == sorted(map(ordered_parts, body["tools"]))
+    assert ordered_parts(once.get("response_format")) == ordered_parts(body.get("response_format"))
+    assert argument_orders(once) == argument_orders(body)
+
+
+def test_schema_field_order_is_kept_and_keywords_sorted():
+    schema = {"type": "object", "required": ["name", "species", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string"}, "species": {"type": "string", "enum": ["dog", "cat"]},
+                             "age": {"type": "integer"},
+                             "tag": {"const": {"z": 1, "a": 2}, "type": "object"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "Pet", "schema": schema}}}
+    result, steps = canonicalize(body, ALL)
+    assert steps == ["response_format.keys_sorted"]
+    out = result["response_format"]["json_schema"]["schema"]
+    assert list(out) == ["additionalProperties", "properties", "required", "type"]
+    assert list(out["properties"]) == ["name", "species", "age", "tag"]
+    assert out["required"] == ["name", "species", "age"]
+    assert list(out["properties"]["tag"]["const"]) == ["z", "a"]  # data, kept as sent
+    assert list(out["properties"]["tag"]) == ["const", "type"]
+
+
 def test_each_step_on_an_example():
     body = {
         "model": "m",
@@ -151,7 +212,7 @@ def test_each_step_on_an_example():
     assert list(result["tools"][1]["function"]["parameters"]) == ["a", "z"]
     assert list(result["response_format"]) == ["json_schema", "type"]
     calls = result["messages"][1]["tool_calls"]
-    assert calls[0]["function"]["arguments"] == '{"x":[1,2],"y":1}'
+    assert calls[0]["function"]["arguments"] == '{"y":1,"x":[1,2]}'  # compact, the model's member order kept
     assert calls[1]["function"]["arguments"] == "not json {"
     assert [m.get("tool_call_id") for m in result["messages"][2:4]] == ["1", "2"]
     assert result["messages"][0]["content"] == "hi"
@@ -181,8 +242,8 @@ def test_switches_are_independent():
     assert result["tools"] == body["tools"] and list(result["tools"][0]) == ["function", "type"]
 
 
-def test_values_orjson_cannot_reencode_are_left_as_sent():
-    """orjson encodes at most 254 levels: deeper arguments or tools stay as sent, no exception."""
+def test_deeply_nested_values_raise_nothing():
+    """Past orjson's 254 levels: a deep tool is still canonicalized, deep arguments (already compact) stay."""
     deep_arguments = "[" * 600 + "]" * 600  # parses (orjson reads 1,024 levels), cannot be re-encoded
     deep_tool: dict = {}
     node = deep_tool
@@ -197,8 +258,8 @@ def test_values_orjson_cannot_reencode_are_left_as_sent():
         ],
     }
     result, steps = canonicalize(body, ALL)
-    assert steps == []
-    assert result["tools"] is body["tools"]
+    assert steps == ["tools.keys_sorted"]
+    assert list(result["tools"][0]) == ["function", "type"] and list(result["tools"][0]["function"]) == ["name", "parameters"]
     assert result["messages"][0]["tool_calls"][0]["function"]["arguments"] == deep_arguments
 
 

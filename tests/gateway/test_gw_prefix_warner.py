@@ -126,3 +126,19 @@ def test_each_execution_path_gives_the_same_findings_in_the_same_order():
     assert "PS101" in codes and any(code.startswith("PS2") for code in codes), codes
     assert codes.index("PS101") < min(i for i, code in enumerate(codes) if code.startswith("PS2"))
     assert found[0] == found[1] == found[2]
+
+
+def test_without_an_id_a_repeated_model_reply_ties_an_edited_first_message_to_its_conversation():
+    """The gateway and the linter share linter/conversation.py: the later turn repeats the
+    model's reply verbatim, so editing the first message is a rewritten history (PS204)."""
+    warner = PrefixWarner()
+
+    def ps2(body):
+        return [w.code for w in warner.check("t", body, body, body_size=10) if w.code.startswith("PS2")]
+
+    reply = "Your balance is 12 euros; the last payment arrived on the 3rd and nothing is overdue."
+    assert ps2(turn("What is my balance?")) == []
+    assert ps2(turn("What is my balance?", reply, "And last month?")) == []
+    assert ps2(turn("What is my balance in euros?", reply, "And last month?", "8 euros.", "Thanks")) == ["PS204"]
+    # another chat that got the same reply but then asked something else is not tied to it
+    assert ps2(turn("Balance please", reply, "Can I pay by card?", "Yes.", "Good")) == []

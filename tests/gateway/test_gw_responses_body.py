@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import orjson
 
+from gateway.canonicalizer import canonicalize
 from gateway.config import CanonicalizeSwitches
 from gateway.request_record import RequestRecord
-from gateway.responses_body import canonicalize_responses, chat_view
+from gateway.responses_body import canonical_chat_view, canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
+from linter.api import compare_requests
 
 TOOLS = [{"type": "function", "name": "zeta", "parameters": {"type": "object", "properties": {}}},
          {"parameters": {"type": "object"}, "name": "alpha", "type": "function"}]
@@ -25,7 +27,7 @@ def test_canonical_tools_format_and_arguments_without_touching_the_input_body():
                        "tool_calls.arguments_canonical"]
     assert [t["name"] for t in body["tools"]] == ["alpha", "zeta"]
     assert list(body["text"]["format"]) == ["name", "schema", "type"]
-    assert body["input"][1]["arguments"] == '{"a":2,"b":1}'
+    assert body["input"][1]["arguments"] == '{"b":1,"a":2}'  # compact, member order kept
     assert canonicalize_responses(body, CanonicalizeSwitches()) == (body, [])  # idempotent
     assert canonicalize_responses(BODY, CanonicalizeSwitches(*(False,) * 5)) == (BODY, [])
 
@@ -49,3 +51,26 @@ def test_a_responses_stream_ends_at_response_completed_and_its_usage_is_recorded
     assert out == events  # relayed byte for byte, event lines included
     assert relay.saw_done
     assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (40, 32, 3)
+
+
+def test_one_tool_has_one_canonical_form_whichever_endpoint_carried_it():
+    """A tool sent through /v1/responses, then through chat: the Responses turn's chat view in
+    the chat canonical form equals the chat turn's tools, so no false PS203 (the raw chat view
+    nests the flat tool in the engine's translation order and is reported)."""
+    switches = CanonicalizeSwitches()
+    params = {"type": "object", "required": ["city", "nights"],
+              "properties": {"city": {"type": "string"}, "nights": {"type": "integer"}}}
+    description = "Book a hotel room. " * 20
+    responses = {"model": "m", "instructions": "You book hotels.", "input": "Book two nights in Paris.",
+                 "tools": [{"type": "function", "name": "book", "description": description, "parameters": params}]}
+    chat = {"model": "m", "messages": [{"role": "system", "content": "You book hotels."},
+                                       {"role": "user", "content": "Book two nights in Paris."}],
+            "tools": [{"type": "function", "function": {"name": "book", "description": description, "parameters": params}}]}
+    canonical_responses, _ = canonicalize_responses(responses, switches)
+    canonical, _ = canonicalize(chat, switches)
+    view = canonical_chat_view(canonical_responses, switches)
+    assert view is not None and view["tools"] == canonical["tools"]
+    assert orjson.dumps(view["tools"]) == orjson.dumps(canonical["tools"])  # key order included
+    assert compare_requests(view, canonical, same_conversation=True) == []
+    raw_view = chat_view(canonical_responses)
+    assert [f.code for f in compare_requests(raw_view, canonical, same_conversation=True)] == ["PS203"]

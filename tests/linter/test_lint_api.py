@@ -137,6 +137,10 @@ def test_caller_can_assert_the_same_conversation():
     turns = [{"role": "user", "content": f"q{i}"} if i % 2 == 0 else {"role": "assistant", "content": f"a{i}"} for i in range(6)]
     previous = {"model": "m", "messages": [sys_msg, *turns]}
     window = {"model": "m", "messages": [sys_msg, *turns[2:], {"role": "assistant", "content": "a6"}, {"role": "user", "content": "q7"}]}
-    assert compare_requests(previous, window) == []  # first turns differ: compared as a family only
-    (finding,) = compare_requests(previous, window, same_conversation=True)
+    (inferred,) = compare_requests(previous, window)  # it repeats the model's latest output a5 (and all after it)
+    assert inferred.code == "PS204" and "truncated" in inferred.message
+    rewritten = {**window, "messages": [m if m.get("content") != "a5" else {**m, "content": "a5, reworded"}
+                                        for m in window["messages"]]}
+    assert compare_requests(previous, rewritten) == []  # no output repeated: compared as a family only
+    (finding,) = compare_requests(previous, rewritten, same_conversation=True)
     assert finding.code == "PS204" and "truncated" in finding.message

@@ -75,3 +75,41 @@ def test_a_shared_prompt_cache_key_reports_truncation_but_not_other_conversation
     (finding,) = lint(tmp_path, [long, window])
     assert finding.code == "PS204" and "truncated" in finding.message
     assert conversation_keys(long).shared and not conversation_keys(chat("x", metadata={"conversation_id": "c"})).shared
+
+
+REPLY = "We repair brakes the same day when you bring the bike before noon; the usual price is 25 euros."
+
+
+def test_a_repeated_model_output_ties_an_edited_first_message_to_its_conversation(tmp_path):
+    """No id: the later turn repeats the model's reply (and what followed it) verbatim."""
+    turn1 = chat("Can you fix my brakes?")
+    turn2 = chat("Can you fix my brakes?", REPLY, "And the gears?")
+    edited = chat("Can you fix my brakes today?", REPLY, "And the gears?", "Yes, gears too.", "Thanks!")
+    (finding,) = lint(tmp_path, [turn1, turn2, edited])
+    assert finding.code == "PS204" and finding.tokens_lost > 0
+    assert finding.location.startswith("messages[1]")
+    assert conversation_keys(turn2).also[0] in conversation_keys(edited).lookup
+
+
+def test_re_serialized_tool_call_arguments_in_a_replayed_history_are_found(tmp_path):
+    call = {"id": "call_8f2k", "type": "function", "function": {"name": "book", "arguments": '{"day": "Monday", "bike": "cargo"}'}}
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "day": {"type": "string"}, "bike": {"type": "string"}}}}}]
+    head = [SYSTEM, {"role": "user", "content": "Book a repair for my cargo bike on Monday."}]
+    turn2 = {"model": "m", "tools": tools, "messages": [*head, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                                          {"role": "tool", "tool_call_id": "call_8f2k", "content": "Booked, slot 9:00."}]}
+    replayed_call = {**call, "function": {"name": "book", "arguments": json.dumps({"bike": "cargo", "day": "Monday"})}}
+    turn3 = {**turn2, "messages": [*head, {"role": "assistant", "content": None, "tool_calls": [replayed_call]},
+                                   turn2["messages"][3], {"role": "assistant", "content": "Booked for Monday at 9:00."},
+                                   {"role": "user", "content": "Thanks"}]}
+    (finding,) = lint(tmp_path, [turn2, turn3])
+    assert finding.code == "PS203" and "arguments" in finding.message
+
+
+def test_one_reply_to_the_same_greeting_does_not_tie_unrelated_chats(tmp_path):
+    """At temperature 0 the model greets every "hi" alike; what follows differs, so no link."""
+    hello = "Hello! How can I help you with your bicycle today? We repair all kinds of bikes."
+    bodies = [chat("hi", hello, "Do you fix cargo bikes?"), chat("hi", hello, "When are you open on Sunday?"),
+              chat("hi", hello, "How much is a chain?", "About 30 euros.", "Thanks")]
+    assert lint(tmp_path, bodies) == []
+    assert not {conversation_keys(bodies[0]).remember, *conversation_keys(bodies[0]).also} & set(conversation_keys(bodies[1]).lookup)

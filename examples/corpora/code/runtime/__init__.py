@@ -1,0 +1,1 @@
+"""A multi-module agent runtime (labelled): values reach the prompt through attributes and helpers."""
