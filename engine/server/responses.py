@@ -114,11 +114,15 @@ def responses_param(param: str | None, origins: Sequence[str] = ()) -> str | Non
     """The Responses API's name for a chat ``param`` named in an error (the chat request
     came from :func:`translate`). ``messages[k]...`` becomes the input item message ``k``
     came from (its ``origins[k]``) with the rest of the path, content part indexes being
-    kept one to one; without origins, plain ``input``."""
+    kept one to one; without origins, plain ``input``. ``tools[i].function.x`` is
+    ``tools[i].x`` (Responses tools are flat)."""
     match = _MESSAGE_PARAM.match(param or "")
     if match is not None and int(match[1]) < len(origins):
         origin = origins[int(match[1])]
         return origin + match[2] if origin.startswith("input[") else origin
+    tool = _TOOL_PARAM.match(param or "")
+    if tool is not None:  # Responses tools are flat: tools[i].parameters
+        return f"tools[{tool[1]}]{tool[2]}"
     for chat, responses in RENAMED:
         if param is not None and param.startswith(chat):
             return "input" if chat == "messages" else responses + param[len(chat):]
@@ -126,6 +130,7 @@ def responses_param(param: str | None, origins: Sequence[str] = ()) -> str | Non
 
 
 _MESSAGE_PARAM = re.compile(r"messages\[(\d+)\](.*)", re.DOTALL)
+_TOOL_PARAM = re.compile(r"tools\[(\d+)\]\.function(.*)", re.DOTALL)
 IMAGE_DETAILS = ("auto", "low", "high")
 
 

@@ -81,4 +81,4 @@ def test_a_token_the_grammar_cannot_take_is_a_grammar_error(compiler, bundled_to
     with pytest.raises(GrammarError) as info:
         constraint.accept(bundled_tokenizer.encode("x")[0])
     assert "\n" not in str(info.value)
-    assert GRAMMAR_ERROR_PREFIX == f"{GrammarError.__name__}: "  # how the engine reports it
+    assert f"{GrammarError.__name__}: " == GRAMMAR_ERROR_PREFIX  # how the engine reports it
