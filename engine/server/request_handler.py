@@ -68,7 +68,6 @@ class _Prepared:
     builder: ResponseBuilder
     responses: ResponsesBuilder | None = None
     grammar_param: str | None = None  # the field whose schema the output grammar came from
-    origins: tuple[str, ...] = ()  # Responses: the input item each chat message came from
 
 
 @dataclass
@@ -266,7 +265,7 @@ class RequestHandler:
             responses = ResponsesBuilder(self.engine.model_id, raw, token_text=self._token_text)
             grammar_param = responses_param(grammar_param, origins)
         return _Prepared(kind, body, ChoiceFanout(self.engine, requests), builder, responses,
-                         grammar_param, tuple(origins))
+                         grammar_param)
 
     def compiler(self) -> Any:
         """The grammar compiler for this engine's tokenizer, built once on first use."""
