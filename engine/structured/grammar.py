@@ -53,12 +53,14 @@ from engine.structured.satisfiable import unsatisfiable
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
 CACHE_SIZE = 256
-# llguidance's parser and lexer limits, set explicitly (its defaults in 1.9 are 2000, 1M, 200k,
-# 50k, 250k, 500k): per mask step at most ~15 ms of lexer and ~2.5 ms of parser work, a lexer of
-# at most ~100-200 MB, and a grammar of at most 200k symbols. A request's schema over them is a 400.
+# llguidance's parser and lexer limits, set here explicitly so an upgrade cannot move them
+# unnoticed (the values are llguidance 1.9's defaults): per mask step at most ~15 ms of lexer
+# and ~2.5 ms of parser work, a lexer of at most 250k states (~1-2 kB each), a grammar of at
+# most 500k symbols. A request's schema over them is a 400 (probe at compile time) or, if first
+# reached mid-generation, a GrammarError.
 LIMITS = llguidance.LLParserLimits(
     max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-    step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000,
+    step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
     verbose_errors=False)  # no parser-state dumps (with schema fragments) in error messages
 PROBE_FORCED_TOKENS = 8  # forced tokens the admission probe consumes before its second mask
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
