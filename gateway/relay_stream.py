@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import anyio
-import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -55,12 +54,15 @@ class RelayStream:
                 yield b"".join(tail)
             self.relay.raise_failure()
             if not self.relay.saw_done:
-                raise UpstreamError("upstream stream ended before 'data: [DONE]'")
-            self._status, self._code = 200, None
+                end = "its final response event" if self.relay.responses else "'data: [DONE]'"
+                raise UpstreamError(f"upstream stream ended before {end}")
+            ended_by = self.relay.ended_by  # a Responses error event, relayed as sent
+            self._status, self._code = ((200, None) if ended_by is None
+                                        else (ended_by.status, ended_by.code))
         except GatewayError as error:
-            # Headers are already sent: report the failure as a final SSE event.
+            # Headers are already sent: report the failure as the stream's final event(s).
             self._status, self._code = error.status, error.code
-            yield b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
+            yield b"".join(self.relay.error_events(error))
         finally:
             await self.close()
 

@@ -20,9 +20,17 @@ A stream the gateway cannot vouch for is ended, not relayed: a ``data:`` payload
 that is not a JSON object (nor ``[DONE]``), an ``{"error": ...}`` event from the
 upstream, or an event growing past :data:`MAX_EVENT_BYTES` without its blank
 line. :meth:`SseRelay.feed` then returns the events before it, forwards nothing
-after it, and keeps the failure (an :class:`~gateway.errors.UpstreamError`) for
-:meth:`SseRelay.raise_failure`, which the stream calls after sending each batch:
-the client gets one OpenAI-shaped error event and the row says 502.
+after it, and keeps the failure (a :class:`~gateway.errors.GatewayError`: an
+:class:`~gateway.errors.InvalidRequest` when the upstream's error says
+``invalid_request_error``, else an :class:`~gateway.errors.UpstreamError`) for
+:meth:`SseRelay.raise_failure`, which the stream calls after sending each batch.
+The client then gets one error event, :meth:`SseRelay.error_events`, in the
+stream's own shape: for chat and completions ``data: {"error": ...}`` followed by
+``data: [DONE]`` (as vLLM and the engine end a failed stream); for Responses an
+``event: error`` (``{"type": "error", "code", "message", "param",
+"sequence_number"}``) and nothing after it. A Responses ``error`` event from the
+upstream is itself an ending: it is relayed as sent, nothing is appended, and
+the row takes its status from it (:attr:`SseRelay.ended_by`).
 """
 
 from __future__ import annotations
@@ -32,13 +40,16 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import UpstreamError
+from gateway.errors import GatewayError, InvalidRequest, UpstreamError
 from gateway.request_record import RequestRecord
 
 DONE = b"[DONE]"
 RESPONSES_END = ("response.completed", "response.incomplete", "response.failed")
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 _HAS_FINISH = re.compile(rb'"finish_reason"\s*:(?!\s*null)')
+_SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
+# The engine's codes for its own failures; any other error code is the request's fault.
+SERVER_CODES = (None, "engine_error", "engine_unavailable", "server_error")
 
 
 class SseRelay:
@@ -49,7 +60,10 @@ class SseRelay:
         self.strip_usage = strip_usage
         self.warnings = warnings or None
         self.saw_done = False
-        self.failure: UpstreamError | None = None
+        self.failure: GatewayError | None = None
+        self.ended_by: GatewayError | None = None  # a Responses error event that ended the stream
+        self.responses = record.endpoint == "responses"
+        self._next_sequence = 0
         self._buffer = b""
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -77,11 +91,27 @@ class SseRelay:
         if self.failure is not None:
             raise self.failure
 
+    def error_events(self, error: GatewayError) -> list[bytes]:
+        """The events that end this stream with ``error`` (see the module docstring)."""
+        body = error.to_dict()
+        if not self.responses:
+            return [b"data: " + orjson.dumps(body) + b"\n\n", b"data: " + DONE + b"\n\n"]
+        fields = body["error"]
+        payload = {"type": "error", "sequence_number": self._next_sequence, "code": fields["code"],
+                   "message": fields["message"], "param": fields["param"]}
+        return [b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"]
+
     def _event(self, event: bytes) -> list[bytes]:
         self.record.mark_first_byte()
+        if self.ended_by is not None:  # nothing follows a Responses error event
+            return []
         data = _data_of(event)
         if data is None:
             return [event]
+        if self.responses:
+            sequence = _SEQUENCE.search(data)
+            if sequence is not None:
+                self._next_sequence = int(sequence[1]) + 1
         if data.strip() == DONE:
             self.saw_done = True
             return [*self._pending_warnings(), event]
@@ -95,9 +125,17 @@ class SseRelay:
             return []
         if "error" in chunk:
             error = chunk["error"]
-            detail = error.get("message") if isinstance(error, dict) else error
-            self.failure = UpstreamError(f"upstream failed mid-stream: {detail}")
+            if isinstance(error, dict) and error.get("type") == "invalid_request_error":
+                self.failure = InvalidRequest(str(error.get("message")), param=_str(error.get("param")),
+                                              code=_str(error.get("code")))
+            else:
+                detail = error.get("message") if isinstance(error, dict) else error
+                self.failure = UpstreamError(f"upstream failed mid-stream: {detail}")
             return []
+        if self.responses and chunk.get("type") == "error":
+            self.ended_by = _responses_error(chunk)
+            self.saw_done = True
+            return [event]
         if not self._may_matter(data):
             return [event]
         return self._chunk(chunk, event)
@@ -159,3 +197,15 @@ def _data_of(event: bytes) -> bytes | None:
     if not parts:
         return None
     return b"\n".join(parts)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _responses_error(event: dict[str, Any]) -> GatewayError:
+    """The row's error for a Responses ``error`` event (the event itself is relayed)."""
+    code, message = _str(event.get("code")), str(event.get("message"))
+    if code in SERVER_CODES:
+        return UpstreamError(f"upstream failed mid-stream: {message}")
+    return InvalidRequest(message, param=_str(event.get("param")), code=code)

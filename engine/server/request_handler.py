@@ -55,7 +55,7 @@ from engine.server.pixel_budget import PixelBudget
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
 from engine.server.responses import ResponsesBuilder, responses_param, translate
-from engine.server.structured_output import grammar_for
+from engine.server.structured_output import GRAMMAR_ERROR_PREFIX, grammar_for, schema_param
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class _Prepared:
     fanout: ChoiceFanout
     builder: ResponseBuilder
     responses: ResponsesBuilder | None = None
+    grammar_param: str | None = None  # the field whose schema the output grammar came from
 
 
 @dataclass
@@ -247,9 +248,10 @@ class RequestHandler:
             params = body.sampling_params(len(token_ids), self.engine.max_model_len)
         except ValueError as exc:  # SamplingParams' own range checks
             raise errors.invalid_param(str(exc), None) from exc
-        grammar = None
+        grammar = grammar_param = None
         if body.tool_choice.forced or body.response_format is not None:
             grammar = grammar_for(self.compiler(), body.tool_choice, body.tools, body.response_format)
+            grammar_param = schema_param(body.tool_choice, body.tools, body.response_format)
         if grammar is not None and body.ignore_eos:  # a complete grammar allows only EOS
             raise errors.invalid_param("'ignore_eos' cannot be combined with a response_format "
                                        "or a forced tool_choice.", "ignore_eos")
@@ -271,8 +273,10 @@ class RequestHandler:
         responses = None
         if kind == "responses":
             assert isinstance(raw, dict)  # to_chat_body checked it
-            responses = ResponsesBuilder(self.engine.model_id, raw)
-        return _Prepared(kind, body, ChoiceFanout(self.engine, requests), builder, responses)
+            responses = ResponsesBuilder(self.engine.model_id, raw, token_text=self._token_text)
+            grammar_param = responses_param(grammar_param, origins)
+        return _Prepared(kind, body, ChoiceFanout(self.engine, requests), builder, responses,
+                         grammar_param)
 
     def compiler(self) -> Any:
         """The grammar compiler for this engine's tokenizer, built once on first use."""
@@ -338,16 +342,18 @@ class RequestHandler:
         collect.result()
         self._finish_metrics(tallies, prepared.kind, arrival)
         for tally in tallies:
-            _raise_for_failure(tally)
+            _raise_for_failure(tally, prepared.grammar_param)
         body = prepared.body
         choices = []
         for index, tally in enumerate(tallies):
             assert tally.finish_reason is not None
-            text, calls = extract_tool_calls(tally.text, body.tool_choice, body.tools)
+            text, calls = extract_tool_calls(tally.text, body.tool_choice, body.tools,
+                                             truncated=tally.finish_reason == "length")
             choices.append(Choice(index, text, tally.finish_reason, calls, tally.logprobs))
         if prepared.responses is not None:
             c = choices[0]
-            out = prepared.responses.full(c.text, c.tool_calls, c.finish_reason, _usage(tallies))
+            out = prepared.responses.full(c.text, c.tool_calls, c.finish_reason, _usage(tallies),
+                                          c.logprobs)
         else:
             out = prepared.builder.full(choices, _usage(tallies))
         return Response(orjson.dumps(out), media_type="application/json")
@@ -366,9 +372,11 @@ class RequestHandler:
                 tally.add(out)
                 text, calls = splitters[index].feed(out.new_text)
                 if out.finished:
-                    text += splitters[index].finish()
+                    rest, last = splitters[index].finish(truncated=out.finish_reason == "length")
+                    text, calls = text + rest, calls + last
                 if responses is not None:
-                    for event in (responses.text(text) if text else []) + responses.calls(calls):
+                    deltas = responses.text(text, out.logprobs) if text or out.logprobs else []
+                    for event in deltas + responses.calls(calls):
                         yield event
                 else:
                     if text or out.logprobs:
@@ -378,13 +386,13 @@ class RequestHandler:
                 if not out.finished:
                     continue
                 try:
-                    _raise_for_failure(tally)
+                    _raise_for_failure(tally, prepared.grammar_param)
                 except APIError as exc:
                     self._finish_metrics(tallies, prepared.kind, arrival)
-                    if responses is not None:
+                    if responses is not None:  # a Responses stream ends on its error event
                         yield responses.error(exc.to_dict()["error"])
                         return
-                    yield sse_event(exc.to_dict())
+                    yield sse_event(exc.to_dict())  # then [DONE], as vLLM ends a failed stream
                     yield SSE_DONE
                     return
                 assert tally.finish_reason is not None
@@ -427,8 +435,16 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-def _raise_for_failure(tally: _Tally) -> None:
+def _raise_for_failure(tally: _Tally, grammar_param: str | None = None) -> None:
+    """The APIError for a choice that did not finish normally: a grammar that failed
+    mid-generation is the request schema's fault (400 ``invalid_schema`` naming it),
+    anything else the engine's (5xx)."""
     if tally.finish_reason == "abort":
         raise errors.engine_unavailable("The request was aborted by the engine (shutting down?).")
+    if tally.finish_reason == "error" and (tally.error or "").startswith(GRAMMAR_ERROR_PREFIX):
+        reason = (tally.error or "")[len(GRAMMAR_ERROR_PREFIX):]
+        raise errors.invalid_param(
+            f"The output grammar of this request's schema failed during generation: {reason}",
+            grammar_param, "invalid_schema")
     if tally.finish_reason == "error" or tally.finish_reason is None:
         raise errors.engine_failure(f"The engine failed on this request: {tally.error or 'unknown'}")

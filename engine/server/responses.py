@@ -14,6 +14,8 @@ the server already validates, renders and runs:
   ``tool_choice`` become chat's nested form; other tool types are a 400;
 * ``text.format`` becomes ``response_format`` (``json_schema`` is flat here);
 * ``max_output_tokens`` becomes ``max_completion_tokens``;
+* ``top_logprobs`` (or ``include: ["message.output_text.logprobs"]``) turns chat's
+  ``logprobs`` on; the text parts then carry OpenAI's ``logprobs`` entries;
 * ``store: true`` and ``previous_response_id`` are a 400: nothing is stored, so
   there is nothing to continue from (clients must send ``store: false`` and the
   whole conversation). ``store`` defaults to true in OpenAI's API, but an absent
@@ -27,8 +29,11 @@ the server already validates, renders and runs:
 ``response.function_call_arguments.delta`` and ``.done``, then
 ``response.output_item.done``; finally ``response.completed`` (or
 ``response.incomplete`` with ``incomplete_details.reason: "max_output_tokens"``),
-or an ``error`` event when the engine failed. Every event carries a
-``sequence_number`` counting from 0.
+or an ``error`` event when the request failed (the stream's last event). Every event
+carries a ``sequence_number`` counting from 0. A stream holds the output items of
+the non-streamed answer: one message item for the text, then one item per call.
+``response.created`` and ``response.in_progress`` carry ``text.format`` without its
+``schema``: the request's schema travels once, in the final ``response``.
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
+from engine.core.output_stream import TokenLogprobs
 from engine.server.errors import invalid_param, unsupported_param
 from engine.server.response_builder import Usage
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 PASSED_THROUGH = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "seed",
                   "cache_salt", "top_k", "stop", "top_logprobs")
 
@@ -90,6 +97,10 @@ def translate(body: object) -> tuple[dict[str, Any], list[str]]:
             raise invalid_param("'text' must be an object.", "text", "invalid_type")
         if text.get("format") is not None:
             chat["response_format"] = _format(text["format"])
+    include = body.get("include")
+    if body.get("top_logprobs") is not None or (
+            isinstance(include, list) and LOGPROBS_INCLUDE in include):
+        chat["logprobs"] = True
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}
     return chat, origins
@@ -103,11 +114,15 @@ def responses_param(param: str | None, origins: Sequence[str] = ()) -> str | Non
     """The Responses API's name for a chat ``param`` named in an error (the chat request
     came from :func:`translate`). ``messages[k]...`` becomes the input item message ``k``
     came from (its ``origins[k]``) with the rest of the path, content part indexes being
-    kept one to one; without origins, plain ``input``."""
+    kept one to one; without origins, plain ``input``. ``tools[i].function.x`` is
+    ``tools[i].x`` (Responses tools are flat)."""
     match = _MESSAGE_PARAM.match(param or "")
     if match is not None and int(match[1]) < len(origins):
         origin = origins[int(match[1])]
         return origin + match[2] if origin.startswith("input[") else origin
+    tool = _TOOL_PARAM.match(param or "")
+    if tool is not None:  # Responses tools are flat: tools[i].parameters
+        return f"tools[{tool[1]}]{tool[2]}"
     for chat, responses in RENAMED:
         if param is not None and param.startswith(chat):
             return "input" if chat == "messages" else responses + param[len(chat):]
@@ -115,6 +130,7 @@ def responses_param(param: str | None, origins: Sequence[str] = ()) -> str | Non
 
 
 _MESSAGE_PARAM = re.compile(r"messages\[(\d+)\](.*)", re.DOTALL)
+_TOOL_PARAM = re.compile(r"tools\[(\d+)\]\.function(.*)", re.DOTALL)
 IMAGE_DETAILS = ("auto", "low", "high")
 
 
@@ -224,30 +240,35 @@ def _format(fmt: object) -> object:
 class ResponsesBuilder:
     """The ``response`` object and stream events of one Responses request."""
 
-    def __init__(self, model: str, request: dict[str, Any]) -> None:
+    def __init__(self, model: str, request: dict[str, Any],
+                 token_text: Callable[[int], str] = str) -> None:
         self.model = model
+        self.token_text = token_text
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.request = request
         self._seq = 0
         self._text = ""
+        self._logprobs: list[dict[str, Any]] = []
         self._message_open = False
         self._output: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------- body
     def full(self, text: str, calls: list[dict[str, Any]], finish_reason: str,
-             usage: Usage) -> dict[str, Any]:
-        items = ([self._message_item(text, "completed")] if text or not calls else [])
+             usage: Usage, logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        items = ([self._message_item(text, "completed", self._entries(logprobs))]
+                 if text or not calls else [])
         items += [self._call_item(c) for c in calls]
         return self._response(_status(finish_reason), items, usage)
 
     # ----------------------------------------------------------------- events
     def start(self) -> list[bytes]:
-        body = self._response("in_progress", [], None)
+        body = self._response("in_progress", [], None, echo_schema=False)
         return [self._event("response.created", response=body),
                 self._event("response.in_progress", response=body)]
 
-    def text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str, logprobs: list[TokenLogprobs] | None = None) -> list[bytes]:
+        """Events for a text delta (opening the message item first if needed)."""
         events = []
         if not self._message_open:
             self._message_open = True
@@ -260,12 +281,17 @@ class ResponsesBuilder:
                                    output_index=len(self._output), content_index=0,
                                    part=_text_part(""))]
         self._text += delta
+        entries = self._entries(logprobs)
+        self._logprobs += entries
         events.append(self._event("response.output_text.delta", item_id=self._message_id,
                                   output_index=len(self._output), content_index=0, delta=delta,
-                                  logprobs=[]))
+                                  logprobs=entries))
         return events
 
     def calls(self, calls: list[dict[str, Any]]) -> list[bytes]:
+        """Events for whole tool calls, each its own item after the message (if any)."""
+        if not calls:
+            return []
         events = self._close_message()
         for call in calls:
             item = self._call_item(call)
@@ -302,23 +328,35 @@ class ResponsesBuilder:
             return []
         self._message_open = False
         index = len(self._output)
-        item = self._message_item(self._text, "completed")
+        item = self._message_item(self._text, "completed", self._logprobs)
         events = [
             self._event("response.output_text.done", item_id=self._message_id, output_index=index,
-                        content_index=0, text=self._text, logprobs=[]),
+                        content_index=0, text=self._text, logprobs=self._logprobs),
             self._event("response.content_part.done", item_id=self._message_id, output_index=index,
-                        content_index=0, part=_text_part(self._text)),
+                        content_index=0, part=_text_part(self._text, self._logprobs)),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
         self._output.append(item)
         self._text = ""
+        self._logprobs = []
         return events
 
-    def _message_item(self, text: str, status: str) -> dict[str, Any]:
+    def _message_item(self, text: str, status: str,
+                      logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if not hasattr(self, "_message_id"):
             self._message_id = f"msg_{uuid.uuid4().hex}"
         return {"id": self._message_id, "type": "message", "role": "assistant", "status": status,
-                "content": [_text_part(text)]}
+                "content": [_text_part(text, logprobs or [])]}
+
+    def _entries(self, logprobs: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
+        """OpenAI's Responses logprobs entries: token, logprob, bytes, top_logprobs."""
+        return [{**self._token(e.token_id, e.logprob),
+                 "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                for e in logprobs or ()]
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     @staticmethod
     def _call_item(call: dict[str, Any]) -> dict[str, Any]:
@@ -326,10 +364,12 @@ class ResponsesBuilder:
                 "call_id": call["id"], "name": call["function"]["name"],
                 "arguments": call["function"]["arguments"]}
 
-    def _response(self, status: str, output: list[dict[str, Any]],
-                  usage: Usage | None) -> dict[str, Any]:
+    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None,
+                  echo_schema: bool = True) -> dict[str, Any]:
         req = self.request
         text_format = (req.get("text") or {}).get("format") or {"type": "text"}
+        if not echo_schema and isinstance(text_format, dict):
+            text_format = {k: v for k, v in text_format.items() if k != "schema"}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "error": None,
@@ -351,8 +391,8 @@ class ResponsesBuilder:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _status(finish_reason: str) -> str:

@@ -14,8 +14,12 @@ order:
 3. ``response_format`` ``json_object``: one JSON object;
 4. otherwise none.
 
-A schema the grammar library cannot compile is a 400 whose ``param`` points at
-the schema and whose message carries the library's reason.
+A schema the grammar library cannot compile, that no value can satisfy, or that
+exceeds the library's limits is a 400 ``invalid_schema`` whose ``param`` points at
+the schema (:func:`schema_param`) and whose message carries the reason. A limit
+reached later, mid-generation, fails the request with the engine error
+``GrammarError: ...`` (:data:`GRAMMAR_ERROR_PREFIX`), which the server answers
+as the same client error, never a 5xx.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ if TYPE_CHECKING:  # the gateway imports this package's protocol without torch o
     from engine.structured.grammar import CompiledGrammar, GrammarCompiler
 
 MAX_SCHEMA_NAME_CHARS = 64
+# How the engine reports engine.structured.grammar.GrammarError ("<type name>: <message>").
+GRAMMAR_ERROR_PREFIX = "GrammarError: "
 
 
 @dataclass(frozen=True)
@@ -78,20 +84,14 @@ def grammar_for(compiler: GrammarCompiler, tool_choice: ToolChoice,
                 response_format: ResponseFormat | None) -> CompiledGrammar | None:
     """The grammar the request's output must follow (see the module docstring), or None."""
     if tool_choice.forced:
-        chosen = []
-        for i, tool in enumerate(tools or []):
-            fn = tool["function"]
-            if tool_choice.name is None or fn["name"] == tool_choice.name:
-                params = fn.get("parameters") or {"type": "object", "properties": {}}
-                chosen.append((i, fn["name"], params))
+        chosen = _forced_tools(tool_choice, tools)
         try:
             return compiler.tool_calls([(name, params) for _, name, params in chosen],
                                        open_tag=CALL_OPEN, close_tag=CALL_CLOSE,
                                        several=tool_choice.parallel and tool_choice.name is None)
         except ValueError as exc:
-            where = (f"tools[{chosen[0][0]}].function.parameters" if len(chosen) == 1
-                     else "tools")
-            raise invalid_param(f"The tool parameters schema cannot be enforced: {exc}", where,
+            raise invalid_param(f"The tool parameters schema cannot be enforced: {exc}",
+                                schema_param(tool_choice, tools, response_format),
                                 "invalid_schema") from exc
     if response_format is None or response_format.kind == "text":
         return None
@@ -103,3 +103,24 @@ def grammar_for(compiler: GrammarCompiler, tool_choice: ToolChoice,
     except ValueError as exc:
         raise invalid_param(f"The JSON schema cannot be enforced: {exc}", response_format.param,
                             "invalid_schema") from exc
+
+
+def schema_param(tool_choice: ToolChoice, tools: list[dict[str, Any]] | None,
+                 response_format: ResponseFormat | None) -> str | None:
+    """The request field the grammar of :func:`grammar_for` comes from: the forced tool's
+    ``parameters`` (``tools`` when several may be called), else the response format's schema."""
+    if tool_choice.forced:
+        chosen = _forced_tools(tool_choice, tools)
+        return f"tools[{chosen[0][0]}].function.parameters" if len(chosen) == 1 else "tools"
+    return None if response_format is None else response_format.param
+
+
+def _forced_tools(tool_choice: ToolChoice,
+                  tools: list[dict[str, Any]] | None) -> list[tuple[int, str, dict[str, Any]]]:
+    """(index, name, parameters schema) of each tool a forced ``tool_choice`` may call."""
+    chosen = []
+    for i, tool in enumerate(tools or []):
+        fn = tool["function"]
+        if tool_choice.name is None or fn["name"] == tool_choice.name:
+            chosen.append((i, fn["name"], fn.get("parameters") or {"type": "object", "properties": {}}))
+    return chosen

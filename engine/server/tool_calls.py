@@ -15,6 +15,8 @@ Invariants:
   tools whose ``arguments`` are a JSON object; anything else stays content, so no
   text is ever lost;
 * with ``parallel_tool_calls: false`` at most one call is returned (the first);
+* a call cut off by ``max_tokens`` is dropped whole: no part of the tags or of the
+  call's JSON reaches content (streamed or not);
 * ``tool_choice: "none"`` keeps the tools in the prompt (as OpenAI does) but
   never parses calls.
 """
@@ -109,9 +111,14 @@ def parse_tool_choice(value: object, tools: list[dict[str, Any]] | None,
     return ToolChoice("named", name=name, parallel=parallel)
 
 
-def extract_tool_calls(text: str, choice: ToolChoice,
-                       tools: list[dict[str, Any]] | None) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` of a finished output; content is the text outside the calls."""
+def extract_tool_calls(text: str, choice: ToolChoice, tools: list[dict[str, Any]] | None,
+                       truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a finished output; content is the text outside the calls.
+
+    A call left open at the end (no closing tag) is dropped with everything after its
+    opening tag when the output was ``truncated`` (cut by max_tokens: OpenAI returns no
+    partial call and no markup), and otherwise read as a call if it parses (the model
+    stopped without the closing tag, as vLLM's hermes parser accepts)."""
     if not choice.parses:
         return text, []
     names = set(tool_names(tools))
@@ -125,12 +132,30 @@ def extract_tool_calls(text: str, choice: ToolChoice,
         kept.append(text[pos:match.start()])
         pos = match.end()
         calls.append(call)
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
+    rest, last = _open_call(text[pos:], names, truncated)
+    if last is not None:
+        calls.append(last)
+    if not calls:  # then pos == 0: rest is the whole text
+        return rest, []
+    kept.append(rest)
     if not choice.parallel:
         calls = calls[:1]
     return "".join(kept).strip(), calls
+
+
+def _open_call(tail: str, names: set[str],
+               truncated: bool) -> tuple[str, dict[str, Any] | None]:
+    """``tail`` (the text after the last complete call) without a call left open at its
+    end, and that call when it parses; see :func:`extract_tool_calls`."""
+    start = tail.rfind(CALL_OPEN)
+    if start < 0 or CALL_CLOSE in tail[start:]:
+        if truncated:  # a tag cut in the middle: "<tool_c"
+            return tail[: len(tail) - _partial_suffix(tail, CALL_OPEN)], None
+        return tail, None
+    if truncated:
+        return tail[:start], None
+    call = _parse_call(tail[start + len(CALL_OPEN):], names)
+    return (tail, None) if call is None else (tail[:start], call)
 
 
 def _parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
@@ -170,7 +195,8 @@ class ToolCallStream:
 
     Text that might begin a call (a prefix of ``<tool_call>``) is held back until it
     is decided; a call is emitted whole once its closing tag arrives; a call that
-    does not parse is released as content. ``finish`` flushes what is held.
+    does not parse is released as content. ``finish`` flushes what is held, so a
+    stream ends with the content and calls :func:`extract_tool_calls` finds.
     """
 
     def __init__(self, choice: ToolChoice, tools: list[dict[str, Any]] | None) -> None:
@@ -213,10 +239,16 @@ class ToolCallStream:
             text_out = ""
         return text_out, calls
 
-    def finish(self) -> str:
-        """What is still held back, as content."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """What is still held back: content, or a call left open at the end (see
+        :func:`extract_tool_calls`; a ``truncated`` output drops it)."""
         rest, self._buffer = self._buffer, ""
-        return "" if self.num_calls and not rest.strip() else rest
+        text, call = _open_call(rest, self.names, truncated) if self.choice.parses else (rest, None)
+        calls = []
+        if call is not None and (self.choice.parallel or self.num_calls == 0):
+            calls.append(call)
+            self.num_calls += 1
+        return ("" if self.num_calls and not text.strip() else text), calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -23,6 +23,14 @@ it as its ``guidance`` backend.
   them), as OpenAI's strict structured outputs are.
 * When the grammar is complete, only the EOS token stays allowed, so a
   constrained request ends with ``finish_reason: "stop"`` or hits its length.
+* llguidance's resource limits are set here, explicitly (:data:`LIMITS`), for
+  validation and for every matcher. A grammar is checked before admission:
+  :func:`~engine.structured.satisfiable.unsatisfiable` rejects schemas with no
+  finite instance (an object that requires itself), and a probe matcher computes
+  the first mask and the forced prefix, so over-limit schemas (a pattern of a
+  million repetitions, a forced prefix that never ends) fail with ValueError at
+  compile time (refusals are cached like grammars). A limit still reached mid-generation raises :class:`GrammarError`
+  (the schema's fault, not the engine's: the server answers it as a client error).
 """
 
 from __future__ import annotations
@@ -40,13 +48,31 @@ import llguidance.torch
 import numpy as np
 import torch
 
+from engine.structured.satisfiable import unsatisfiable
+
 # Compact JSON (", " and ": ", no newlines): a small model cannot wander into endless whitespace.
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ",
                                 "key_separator": ": "}
 CACHE_SIZE = 256
+# llguidance's parser and lexer limits, set here explicitly so an upgrade cannot move them
+# unnoticed (the values are llguidance 1.9's defaults): per mask step at most ~15 ms of lexer
+# and ~2.5 ms of parser work, a lexer of at most 250k states (~1-2 kB each), a grammar of at
+# most 500k symbols. A request's schema over them is a 400 (probe at compile time) or, if first
+# reached mid-generation, a GrammarError.
+LIMITS = llguidance.LLParserLimits(
+    max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+    step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+    verbose_errors=False)  # no parser-state dumps (with schema fragments) in error messages
+PROBE_FORCED_TOKENS = 8  # forced tokens the admission probe consumes before its second mask
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SCHEMA_KEYS = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not",
                 "if", "then", "else", "contains", "propertyNames", "unevaluatedProperties")
+
+
+class GrammarError(ValueError):
+    """The grammar failed mid-generation (a limit reached, a token it cannot take): the
+    request's schema is at fault. The engine reports it as ``GrammarError: <message>``
+    (``engine.server.structured_output.GRAMMAR_ERROR_PREFIX``)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +88,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
         self.vocab_size = vocab_size
         self._lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar | str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
@@ -70,6 +96,9 @@ class GrammarCompiler:
         """Output must be JSON valid against ``schema`` (closed: see :func:`closed`)."""
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        reason = unsatisfiable(schema)
+        if reason is not None:
+            raise ValueError(f"the schema cannot be satisfied: {reason}")
         return self._compile("schema", closed(schema))
 
     def json_object(self) -> CompiledGrammar:
@@ -85,35 +114,65 @@ class GrammarCompiler:
                      "required": ["name", "arguments"],
                      "properties": {"name": {"const": name}, "arguments": closed(params)}}
                     for name, params in tools]
+        for name, params in tools:
+            reason = unsatisfiable(params)
+            if reason is not None:
+                raise ValueError(f"the parameters of {name!r} cannot be satisfied: {reason}")
         schema = {"anyOf": variants} if len(variants) > 1 else variants[0]
         return self._compile("tool_calls", {"schema": schema, "open": open_tag, "close": close_tag,
                                             "several": several})
 
     def constraint(self, compiled: CompiledGrammar) -> GrammarConstraint:
         """A fresh matcher at the start of ``compiled``."""
-        matcher = llguidance.LLMatcher(self._lltok, compiled.grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._lltok, compiled.grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return GrammarConstraint(matcher, self.vocab_size)
 
     # ----------------------------------------------------------------- private
     def _compile(self, kind: str, spec: dict[str, Any]) -> CompiledGrammar:
+        """The grammar for ``spec``; a refusal is cached too (as its message), so a schema
+        over the limits costs its compile time once, not on every request."""
         key = kind + ":" + json.dumps(spec, separators=(",", ":"))  # key order is meaning: not sorted
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        grammar = self._grammar(kind, spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
+        if hit is None:
+            try:
+                hit = self._check(self._grammar(kind, spec))
+            except ValueError as exc:
+                hit = str(exc)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, str):
+            raise ValueError(hit)
+        return hit
+
+    def _check(self, grammar: str) -> CompiledGrammar:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._lltok, limits=LIMITS)
         if is_error:
-            raise ValueError(messages[0] if messages else "the grammar does not compile")
-        compiled = CompiledGrammar(grammar)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            raise ValueError(_first_line(messages[0]) if messages else "the grammar does not compile")
+        self._probe(grammar)
+        return CompiledGrammar(grammar)
+
+    def _probe(self, grammar: str) -> None:
+        """Build a matcher and compute its first mask and forced prefix, where limits on
+        the lexer (huge repetitions) and the parser (a forced prefix that never ends)
+        show first; raise ValueError with llguidance's message if one is reached."""
+        matcher = llguidance.LLMatcher(self._lltok, grammar, log_level=0, limits=LIMITS)
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        if not matcher.is_error():
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        if not matcher.is_error():
+            forced = matcher.compute_ff_tokens()[:PROBE_FORCED_TOKENS]
+            if forced and matcher.consume_tokens(forced):
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        if matcher.is_error():
+            raise ValueError(_first_line(matcher.get_error()))
 
     @staticmethod
     def _grammar(kind: str, spec: dict[str, Any]) -> str:
@@ -164,9 +223,11 @@ class GrammarConstraint:
         return out
 
     def accept(self, token_id: int) -> None:
-        """Advance past a sampled token; raises ValueError if the grammar forbids it."""
+        """Advance past a sampled token; raises GrammarError if the grammar forbids it or
+        a limit was reached (then the mask allowed nothing the grammar can continue with)."""
         if not self._matcher.consume_token(token_id):
-            raise ValueError(f"token {token_id} violates the grammar: {self._matcher.get_error()}")
+            raise GrammarError(_first_line(self._matcher.get_error())
+                               or f"token {token_id} violates the grammar")
 
     @property
     def finished(self) -> bool:
@@ -192,8 +253,17 @@ def mask_rows(logits: torch.Tensor, constraints: Sequence[GrammarConstraint | No
         constraint = constraints[i]
         assert constraint is not None
         constraint._fill(bitmask, j)
+    for i in rows:
+        matcher = constraints[i]._matcher  # type: ignore[union-attr]
+        if matcher.is_error():  # a limit reached while computing the mask
+            raise GrammarError(_first_line(matcher.get_error()))
     # numpy unpacks the bits in a few microseconds, free of torch's thread pool.
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
     forbidden = torch.from_numpy(bits[:, :vocab] == 0)
     for j, i in enumerate(rows):
         logits[i].masked_fill_(forbidden[j], float("-inf"))
+
+
+def _first_line(message: str) -> str:
+    """llguidance's message without the parser-state dump that may follow it."""
+    return message.split("\n<", 1)[0].strip()

@@ -96,9 +96,9 @@ def test_upstream_disconnect_mid_stream_ends_with_an_error_event(tmp_path):
     assert response.status_code == 200  # headers were already sent
     events = [e for e in response.text.split("\n\n") if e]
     assert orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
-    error = orjson.loads(events[-1][6:])["error"]
+    error = orjson.loads(events[-2][6:])["error"]
     assert error["code"] == "upstream_error" and "RemoteProtocolError" in error["message"]
-    assert "[DONE]" not in response.text
+    assert events[-1] == "data: [DONE]"  # after the error, as the engine and vLLM end a failed stream
     (row,) = rows(settings.db_url)
     assert (row.status, row.error_code) == (502, "upstream_error")
 
@@ -138,7 +138,8 @@ def test_malformed_upstream_event_ends_the_stream_with_an_error_event_and_a_502_
                               {**CHAT, "stream": True})
     assert response.status_code == 200  # headers were already sent
     events = [e for e in response.text.split("\n\n") if e]
-    assert len(events) == 2 and orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
+    assert len(events) == 3 and orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
+    assert events[2] == "data: [DONE]"
     body = orjson.loads(events[1][6:])
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == "upstream_error" and says in body["error"]["message"]
@@ -204,3 +205,50 @@ def test_client_disconnect_before_upstream_answers(tmp_path):
             wait_for(cancelled.is_set)
     (row,) = rows(settings.db_url)
     assert (row.status, row.error_code) == (499, "client_disconnected")
+
+
+def test_a_responses_stream_ending_in_an_error_event_gets_nothing_appended(tmp_path):
+    def sse(kind, seq, **fields):
+        return (b"event: " + kind.encode() + b"\ndata: "
+                + orjson.dumps({"type": kind, "sequence_number": seq, **fields}) + b"\n\n")
+
+    class Failing(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield sse("response.created", 0, response={"id": "resp_1", "status": "in_progress"})
+            yield sse("error", 1, code="invalid_schema", message="grammar failed", param="text.format")
+
+    async def go():
+        settings = make_settings(tmp_path)
+        transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=Failing()))
+        async with gateway_client(settings, transport) as gw:
+            body = {"model": "fake-model", "input": "hi", "stream": True}
+            return settings, await gw.post("/v1/responses", json=body)
+
+    settings, response = asyncio.run(go())
+    events = [e for e in response.text.split("\n\n") if e]
+    assert len(events) == 2 and events[-1].startswith("event: error\n")
+    assert orjson.loads(events[-1].split("data: ", 1)[1])["code"] == "invalid_schema"
+    assert '"error":' not in response.text and "[DONE]" not in response.text
+    (row,) = rows(settings.db_url)
+    assert (row.status, row.error_code) == (400, "invalid_schema")
+
+
+def test_a_responses_stream_cut_short_ends_with_a_responses_error_event(tmp_path):
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
+
+    async def go():
+        settings = make_settings(tmp_path)
+        transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=Cut()))
+        async with gateway_client(settings, transport) as gw:
+            body = {"model": "fake-model", "input": "hi", "stream": True}
+            return settings, await gw.post("/v1/responses", json=body)
+
+    settings, response = asyncio.run(go())
+    events = [e for e in response.text.split("\n\n") if e]
+    assert len(events) == 2 and events[-1].startswith("event: error\n")
+    payload = orjson.loads(events[-1].split("data: ", 1)[1])
+    assert payload["type"] == "error" and payload["sequence_number"] == 1
+    assert payload["code"] == "upstream_error" and "[DONE]" not in response.text
+    assert rows(settings.db_url)[0].status == 502

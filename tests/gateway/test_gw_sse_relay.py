@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.errors import UpstreamError
+from gateway.errors import GatewayError, UpstreamError
 from gateway.request_record import RequestRecord
 from gateway.sse_relay import SseRelay
 
@@ -108,3 +108,43 @@ def test_comments_and_events_without_data_are_forwarded():
     stream = b": ping\n\nevent: keepalive\n\n" + event(chunk("a")) + b"data: [DONE]\n\n"
     assert b"".join(relay.feed(stream)) == stream
     relay.raise_failure()
+
+
+def responses_event(kind, seq, **fields) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, "sequence_number": seq,
+                                                                    **fields}) + b"\n\n"
+
+
+@pytest.mark.parametrize(("code", "status"), [("invalid_schema", 400), ("engine_error", 502)])
+def test_a_responses_error_event_ends_the_stream_as_sent(code, status):
+    relay = SseRelay(RequestRecord("responses", "u"), strip_usage=False, warnings=None)
+    created = responses_event("response.created", 0, response={"id": "r"})
+    error = responses_event("error", 1, code=code, message="grammar failed", param="text.format.schema")
+    late = responses_event("response.output_text.delta", 2, delta="x")
+    assert relay.feed(created + error + late) == [created, error]  # relayed byte for byte, then nothing
+    assert relay.finish() == []
+    relay.raise_failure()  # not a failure of the relay: nothing gets appended
+    assert relay.saw_done and relay.ended_by is not None and relay.ended_by.status == status
+
+
+def test_failure_events_take_the_streams_shape():
+    chat = SseRelay(RequestRecord("chat.completions", "u"), strip_usage=False, warnings=None)
+    first, done = chat.error_events(UpstreamError("boom"))
+    assert orjson.loads(first[6:])["error"]["code"] == "upstream_error" and done == b"data: [DONE]\n\n"
+    responses = SseRelay(RequestRecord("responses", "u"), strip_usage=False, warnings=None)
+    responses.feed(responses_event("response.created", 0) + responses_event("response.in_progress", 1))
+    (only,) = responses.error_events(UpstreamError("boom"))
+    name, data = only.split(b"\n", 1)
+    assert name == b"event: error" and b"[DONE]" not in only
+    payload = orjson.loads(data[6:])
+    assert payload["type"] == "error" and payload["sequence_number"] == 2
+    assert payload["code"] == "upstream_error" and "boom" in payload["message"]
+
+
+def test_an_upstream_client_error_mid_stream_stays_a_client_error():
+    relay = SseRelay(RequestRecord("chat.completions", "u"), strip_usage=False, warnings=None)
+    error = {"message": "bad schema", "type": "invalid_request_error", "param": "response_format", "code": "x"}
+    assert relay.feed(event(chunk("a")) + event({"error": error}) + b"data: [DONE]\n\n") == [event(chunk("a"))]
+    with pytest.raises(GatewayError) as info:
+        relay.raise_failure()
+    assert info.value.status == 400 and info.value.to_dict()["error"] == error

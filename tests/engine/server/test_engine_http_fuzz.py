@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import os
+import random
 import socket
 import threading
 from collections import Counter
@@ -122,3 +124,179 @@ def test_gateway_wrote_one_row_per_fuzzed_request(servers, tiny_engine):
             engine.dispose()
 
     wait_until(lambda: written() == len(few), 30, "one stats row per request")
+
+
+SELF_REQUIRING = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                  "required": ["c"]}}, "$ref": "#/$defs/n"}
+ISSUE_SCHEMAS = [  # issue 28's two 500s
+    {"$defs": {"n": {"properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}, "$ref": "#/$defs/n"},
+    {"type": "string", "pattern": "^a{1000000}$"},
+]
+
+
+def hostile_schema(rng: random.Random) -> object:
+    """A schema meant to hurt a grammar compiler: no finite instance, huge repetitions,
+    huge enums, deep nesting, many branches, contradictions, bad references."""
+    n = rng.choice([10, 1000, 100_000, 1_000_000])
+    depth = rng.choice([20, 60, 120])  # past the servers' JSON depth limit too
+    deep: object = {"type": "string"}
+    for _ in range(depth):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    return rng.choice([
+        SELF_REQUIRING, *ISSUE_SCHEMAS, False, True, {}, deep,
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#/$defs/n"}},
+         "required": ["a", "b"], "$defs": SELF_REQUIRING["$defs"]},
+        {"$defs": {"n": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"},
+        {"type": "string", "pattern": f"^(ab|cd|e{{2,9}}){{{n}}}$"},
+        {"type": "string", "pattern": "^((a{100}){100}){100}$"},
+        {"type": "string", "pattern": "(((("},
+        {"type": "string", "minLength": n},
+        {"type": "array", "minItems": n, "items": {"type": "integer"}},
+        {"enum": [f"value-{i}" for i in range(min(n, 20_000))]},
+        {"anyOf": [{"const": i} for i in range(min(n, 5000))]},
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(min(n, 5000))},
+         "required": [f"k{i}" for i in range(min(n, 5000))]},
+        {"type": "integer", "minimum": 5, "maximum": 1},
+        {"type": "object", "required": ["x"], "properties": {}, "additionalProperties": False},
+        {"not": {}}, {"$ref": "#/$defs/missing"}, {"$ref": "https://example.com/s.json"},
+        {"type": "string", "format": "date-time", "pattern": "^[0-9]{4}$"},
+        {"type": "object", "patternProperties": {"^(a+)+$": {"type": "string"}}, "minProperties": 3},
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    ])
+
+
+def hostile_bodies(seed: int, count: int, model: str) -> list[tuple[str, dict, bool]]:
+    """(path, body, stream): each hostile schema as chat's response_format, as Responses'
+    text.format, or as a forced tool's parameters."""
+    out = []
+    for i in range(count):
+        rng = random.Random(f"schema:{seed}:{i}")
+        schema, stream = hostile_schema(rng), rng.random() < 0.5
+        where = rng.choice(["chat", "responses", "tool", "responses-tool"])
+        if where == "chat":
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        elif where == "tool":
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "tool_choice": "required",
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+        elif where == "responses":
+            body = {"input": "hi", "max_output_tokens": 8, "text": {"format": {
+                "type": "json_schema", "name": "s", "schema": schema}}}
+        else:
+            body = {"input": "hi", "max_output_tokens": 8, "tool_choice": "required",
+                    "tools": [{"type": "function", "name": "f", "parameters": schema}]}
+        path = "/v1/responses" if where.startswith("responses") else "/v1/chat/completions"
+        out.append((path, {"model": model, "stream": stream, **body}, stream))
+    return out
+
+
+def responses_stream_problem(content: bytes) -> str | None:
+    """None when a Responses stream ends as it should: its last event completes the response."""
+    events = [e for e in content.split(b"\n\n") if e.strip()]
+    last = events[-1].split(b"data: ", 1)[-1] if events else b"{}"
+    kind = json.loads(last).get("type")
+    return None if kind in ("response.completed", "response.incomplete") else f"stream ends with {kind}"
+
+
+def test_hostile_schemas_get_no_5xx_from_either_server(servers, tiny_engine):
+    engine_url, gateway_url, _db_url = servers
+    bodies = hostile_bodies(SEED, 60, tiny_engine.model_id) + [
+        ("/v1/chat/completions", {"model": tiny_engine.model_id, "stream": stream, "max_tokens": 8,
+                                  "messages": [{"role": "user", "content": "hi"}], "response_format": {
+                                      "type": "json_schema", "json_schema": {"name": "s", "schema": s}}}, stream)
+        for s in ISSUE_SCHEMAS for stream in (False, True)]
+    statuses: Counter[tuple[str, int]] = Counter()
+    failures = []
+    for name, url in (("engine", engine_url), ("gateway", gateway_url)):
+        with httpx.Client(base_url=url, timeout=120, headers={"authorization": f"Bearer {KEY}"}) as client:
+            for path, body, stream in bodies:
+                response = client.post(path, json=body)
+                statuses[(name, response.status_code)] += 1
+                if path == "/v1/responses" and stream and response.status_code == 200:
+                    problem = responses_stream_problem(response.content)
+                else:
+                    problem = check_answer(response.status_code, response.content)
+                if problem is not None:
+                    failures.append(f"{name} {path}: {problem}\n  schema: {json.dumps(body)[:300]}")
+    print(sorted(statuses.items()))
+    assert not failures, "\n".join(failures[:10])
+    assert statuses[("engine", 400)] >= 10 and statuses[("engine", 200)] >= 5
+    kv = tiny_engine.kv_cache_manager
+    wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 30, "every block back in the free queue")
+
+
+@pytest.mark.parametrize(("path", "field", "param"), [
+    ("/v1/chat/completions", "response_format", "response_format.json_schema.schema"),
+    ("/v1/chat/completions", "tools", "tools[0].function.parameters"),
+    ("/v1/responses", "text", "text.format.schema"),
+    ("/v1/responses", "tools", "tools[0].parameters"),
+])
+def test_unsatisfiable_and_over_limit_schemas_are_a_400_naming_the_schema(servers, tiny_engine, path, field,
+                                                                          param):
+    engine_url, gateway_url, _db_url = servers
+    for schema in [SELF_REQUIRING, ISSUE_SCHEMAS[1]]:
+        body: dict = {"model": tiny_engine.model_id, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+        if path == "/v1/responses":
+            body = {"model": tiny_engine.model_id, "input": "x"}
+        if field == "response_format":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        elif field == "text":
+            body["text"] = {"format": {"type": "json_schema", "name": "s", "schema": schema}}
+        elif path == "/v1/responses":
+            body.update(tool_choice="required", tools=[{"type": "function", "name": "f", "parameters": schema}])
+        else:
+            body.update(tool_choice="required",
+                        tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+        for url in (engine_url, gateway_url):
+            response = httpx.post(url + path, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == (param, "invalid_schema"), error
+
+
+def test_a_grammar_failing_mid_generation_ends_as_a_client_error_on_both_servers(servers, tiny_engine,
+                                                                                  monkeypatch):
+    """Fault injection: the grammar reaches a limit at the third token. Both servers answer
+    a 400 naming the schema, end a chat stream with the error event then [DONE], and end a
+    Responses stream with one Responses error event (nothing chat-shaped appended)."""
+    from engine.structured.grammar import GrammarConstraint, GrammarError
+
+    real_accept = GrammarConstraint.accept
+
+    def failing_accept(self, token_id):
+        self.accepted = getattr(self, "accepted", 0) + 1
+        if self.accepted == 3:
+            raise GrammarError("parser error: Too many items (limit 50000; ff_tokens)")
+        real_accept(self, token_id)
+
+    monkeypatch.setattr(GrammarConstraint, "accept", failing_accept)
+    engine_url, gateway_url, _db_url = servers
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    chat = {"model": tiny_engine.model_id, "max_tokens": 20, "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    responses = {"model": tiny_engine.model_id, "max_output_tokens": 20, "input": "x",
+                 "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}
+    endings = {}
+    for name, url in (("engine", engine_url), ("gateway", gateway_url)):
+        with httpx.Client(base_url=url, timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
+            for path, body, param in (("/v1/chat/completions", chat, "response_format.json_schema.schema"),
+                                      ("/v1/responses", responses, "text.format.schema")):
+                whole = client.post(path, json=body)
+                assert whole.status_code == 400, (name, whole.text)
+                assert whole.json()["error"]["param"] == param and whole.json()["error"]["code"] == "invalid_schema"
+                streamed = client.post(path, json={**body, "stream": True})
+                assert streamed.status_code == 200
+                events = [e for e in streamed.text.split("\n\n") if e.strip()]
+                if path == "/v1/responses":
+                    assert events[-1].startswith("event: error\n") and "[DONE]" not in streamed.text
+                    error = json.loads(events[-1].split("data: ", 1)[1])
+                    assert (error["type"], error["code"], error["param"]) == ("error", "invalid_schema", param)
+                    assert '"error":{' not in streamed.text.replace(" ", "")
+                else:
+                    error = json.loads(events[-2][len("data: "):])["error"]
+                    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_schema")
+                    assert error["param"] == param
+                    endings[name] = events[-1]
+    assert endings == {"engine": "data: [DONE]", "gateway": "data: [DONE]"}
+    kv = tiny_engine.kv_cache_manager
+    wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 30, "every block back in the free queue")

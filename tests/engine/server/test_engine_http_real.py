@@ -112,3 +112,26 @@ def test_completions_endpoint_on_the_real_model(client, real_engine):
     assert resp.choices[0].text.strip()
     assert resp.usage.completion_tokens <= 5
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+
+REPAIR_TOOL = {"type": "function", "function": {
+    "name": "book_repair", "description": "Book a repair visit for a broken item.",
+    "parameters": {"type": "object", "properties": {"item": {"type": "string"}, "day": {"type": "string"}},
+                   "required": ["item", "day"]}}}
+
+
+def test_a_tool_call_cut_by_max_tokens_never_leaks_markup_on_the_real_model(client, real_engine):
+    """tool_choice required: the output is a call in the template's tags; every max_tokens
+    that cuts it leaves content free of them (streamed or not) and no partial call."""
+    question = [{"role": "user", "content": "My washing machine is broken, book a repair for Monday."}]
+    base = {"model": real_engine.model_id, "messages": question, "temperature": 0, "tools": [REPAIR_TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False}
+    full = client.chat.completions.create(**base, max_tokens=80)
+    assert full.choices[0].finish_reason == "tool_calls"
+    for limit in range(1, full.usage.completion_tokens - 1, 3):  # each cuts the call short
+        whole = client.chat.completions.create(**base, max_tokens=limit).choices[0]
+        chunks = list(client.chat.completions.create(**base, max_tokens=limit, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        streamed_calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert not whole.message.content and not streamed, (limit, whole.message.content, streamed)
+        assert whole.finish_reason == "length" and not whole.message.tool_calls and not streamed_calls

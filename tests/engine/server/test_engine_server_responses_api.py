@@ -115,3 +115,23 @@ def test_each_chat_message_knows_the_input_item_it_came_from():
     assert responses_param("messages[9].role", origins) == "input"
     _, origins = translate({"input": "just text"})
     assert responses_param("messages[0].content", origins) == "input"
+
+
+def test_text_deltas_stay_in_one_message_item_between_empty_call_batches():
+    builder = ResponsesBuilder("m", {"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "s", "schema": {"type": "object"}}}})
+    seq = events(builder.start() + builder.text("Hel") + builder.calls([]) + builder.text("lo")
+                 + builder.calls([]) + builder.finish("stop", Usage(1, 2, 0)))
+    final = seq[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message"]
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert [e["type"] for e in seq].count("response.output_item.added") == 1
+    assert seq[0]["response"]["text"]["format"] == {"type": "json_schema", "name": "s"}
+    assert final["text"]["format"]["schema"] == {"type": "object"}
+
+
+def test_top_logprobs_turns_logprobs_on():
+    assert to_chat_body({"input": "x", "top_logprobs": 2})["logprobs"] is True
+    assert to_chat_body({"input": "x", "include": ["message.output_text.logprobs"]})["logprobs"] is True
+    assert "logprobs" not in to_chat_body({"input": "x"})
+    assert responses_param("tools[3].function.parameters") == "tools[3].parameters"

@@ -78,7 +78,46 @@ def test_streamed_split_matches_the_whole_text_parse(cuts):
         out, new = stream.feed(piece)
         content, calls = content + out, calls + new
     out, new = stream.feed(text[pos:])
-    content, calls = content + out + stream.finish(), calls + new
+    rest, last = stream.finish()
+    content, calls = content + out + rest, calls + new + last
     whole_content, whole_calls = extract_tool_calls(text, AUTO, TOOLS)
     assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
     assert content.replace(" ", "") == whole_content.replace(" ", "")
+
+
+FULL = "Checking. " + call("get_time") + "\n" + call("get_weather", city="Rome", days=3)
+
+
+def stream_split(text, truncated, size=3):
+    stream = ToolCallStream(AUTO, TOOLS)
+    content, calls = "", []
+    for pos in range(0, len(text), size):
+        out, new = stream.feed(text[pos:pos + size])
+        content, calls = content + out, calls + new
+    rest, last = stream.finish(truncated=truncated)
+    return content + rest, calls + last
+
+
+@pytest.mark.parametrize("cut", range(1, len(FULL)))
+def test_a_call_cut_by_max_tokens_leaves_no_markup_whole_or_streamed(cut):
+    """Any prefix of an output with calls, as max_tokens leaves it: complete calls are
+    kept, the cut one is dropped, and nothing of the tags or its JSON is content."""
+    text = FULL[:cut]
+    whole_content, whole_calls = extract_tool_calls(text, AUTO, TOOLS, truncated=True)
+    content, calls = stream_split(text, truncated=True)
+    for out in (whole_content, content):
+        assert "<" not in out and "{" not in out and "tool_call" not in out
+        assert FULL.startswith(out.strip()) or out.strip() == ""
+    complete = text.count(CALL_CLOSE)
+    assert len(whole_calls) == complete and [c["function"] for c in calls] == [
+        c["function"] for c in whole_calls]
+
+
+def test_a_call_left_open_by_a_stop_is_still_a_call():
+    text = "Sure. " + call("get_weather", city="Oslo")[: -len(CALL_CLOSE)]
+    content, calls = extract_tool_calls(text, AUTO, TOOLS)
+    assert content == "Sure." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    streamed_content, streamed_calls = stream_split(text, truncated=False)
+    assert streamed_content.strip() == "Sure." and len(streamed_calls) == 1
+    broken = "Sure. " + CALL_OPEN + '{"name": "get_weather", "argu'
+    assert extract_tool_calls(broken, AUTO, TOOLS) == (broken, [])  # not a call: no text lost
