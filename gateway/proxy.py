@@ -24,6 +24,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.server.body_reader import BodyLease, BodyReader
 from gateway.authenticator import Authenticator
 from gateway.canonicalizer import canonicalize
 from gateway.config import Tenant
@@ -56,7 +57,7 @@ class Proxy:
         writer: StatsWriter,
         metrics: GatewayMetrics,
         secret: bytes,
-        max_body_bytes: int,
+        bodies: BodyReader,
     ) -> None:
         self.replicas = replicas
         self.authenticator = authenticator
@@ -64,12 +65,16 @@ class Proxy:
         self.writer = writer
         self.metrics = metrics
         self.secret = secret
-        self.max_body_bytes = max_body_bytes
+        self.bodies = bodies
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         record = RequestRecord(endpoint=endpoint, upstream=self.replicas.primary.base_url)
+        lease = self.bodies.lease()
+        streaming = False
         try:
-            return await self._handle(request, record)
+            response = await self._handle(request, record, lease)
+            streaming = isinstance(response, RelayResponse)  # its stack releases the lease at the end
+            return response
         except GatewayError as error:
             _forget_frames(error)
             return self._fail(record, error)
@@ -77,6 +82,9 @@ class Proxy:
             log.exception("unexpected error in the gateway")
             _forget_frames(error)
             return self._fail(record, GatewayError("internal gateway error", code="internal_error"))
+        finally:
+            if not streaming:
+                lease.release()
 
     def _fail(self, record: RequestRecord, error: GatewayError) -> Response:
         record.finish(error.status, error.code)
@@ -89,10 +97,10 @@ class Proxy:
         self.writer.submit(record)
         self.metrics.observe(record)
 
-    async def _handle(self, request: Request, record: RequestRecord) -> Response:
+    async def _handle(self, request: Request, record: RequestRecord, lease: BodyLease) -> Response:
         tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
-        record.tenant = tenant.name
-        raw = await read_body(request, self.max_body_bytes)
+        record.tenant = lease.tenant = tenant.name
+        raw = await read_body(request, self.bodies, lease)
         body = parse_body(raw, record.endpoint)
         record.model = body["model"]
         record.stream = bool(body.get("stream"))
@@ -162,6 +170,7 @@ class Proxy:
         warning_dicts = [warning.to_dict() for warning in warnings]
         headers = self._headers(record)
         if record.stream:
+            stack.callback(lease.release)  # the upstream request (and its body) lives as long as the stream
             relay = SseRelay(record, strip_usage=strip_usage, warnings=warning_dicts)
             return RelayResponse(RelayStream(stack, result, relay, record, self._record), headers)
         return self._complete(record, result, warning_dicts, headers)
