@@ -38,9 +38,8 @@ def make_request(chunks: list[bytes], *, content_type: str | None = "application
 
 def refused(reader: BodyReader, request: Request, tenant: str = "t") -> APIError:
     async def go() -> APIError:
-        with reader.lease(tenant) as lease:
-            with pytest.raises(APIError) as caught:
-                await reader.read(request, lease)
+        with reader.lease(tenant) as lease, pytest.raises(APIError) as caught:
+            await reader.read(request, lease)
         reader.check_integrity()
         assert reader.in_flight == 0 and not reader.by_tenant
         return caught.value
