@@ -72,14 +72,15 @@ def test_json_with_parameters_and_the_sdk_pass(tmp_path, fake_upstream):
     assert len(fake_upstream.bodies) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("mode", ["error429", "error500"])
-def test_a_refused_request_leaves_no_frame_holding_its_body(tmp_path, fake_upstream, mode):
+def test_a_refused_request_leaves_no_frame_holding_its_body(tmp_path, fake_upstream, mode, stream):
     """With the cyclic collector off (the gateway runs it rarely, see settle_heap), a request
     the upstream refused must be freed by reference counting alone: no frame of
     ``Proxy._handle`` (whose locals hold the body three times over) may outlive it."""
     fake_upstream.mode = mode
     settings = make_settings(tmp_path, config())
-    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 200_000}]}
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 200_000}], "stream": stream}
 
     def handle_frames() -> int:
         return sum(1 for o in gc.get_objects()
