@@ -68,7 +68,9 @@ def require_json(content_type: str | None) -> None:
 
 
 class BodyLease:
-    """The budget one request's body holds; :meth:`release` (idempotent) gives it back."""
+    """The budget one request's body holds; :meth:`release` (idempotent) gives it back.
+
+    ``tenant`` may be set (once known) until the lease first takes bytes, not after."""
 
     def __init__(self, reader: BodyReader, tenant: str) -> None:
         self.reader = reader
