@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine.server.body_reader import BodyReader
 from gateway.authenticator import Authenticator
 from gateway.connection_pool import ConnectionPool
 from gateway.dashboard import dashboard_route
@@ -111,7 +112,7 @@ class GatewayState:
             writer=self.writer,
             metrics=self.metrics,
             secret=settings.secret,
-            max_body_bytes=settings.config.max_body_bytes,
+            bodies=BodyReader(settings.config.body_limits()),
         )
 
     async def aclose(self) -> None:

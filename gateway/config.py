@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.server.body_reader import BodyLimits
 from gateway.replica_spec import (
     ReplicaSpec,
     RoutingOptions,
@@ -24,6 +25,10 @@ from gateway.replica_spec import (
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_INFLIGHT_BODY_BYTES = 128 * 1024 * 1024  # a request holds about 3x its body (bytes, parse, re-encoding)
+DEFAULT_TENANT_INFLIGHT_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 120.0
+DEFAULT_BODY_IDLE_TIMEOUT_S = 15.0
 DEFAULT_INPUT_PRICE = 1.0
 DEFAULT_CACHED_INPUT_PRICE = 0.1
 UPSTREAM_KINDS = ("vllm", "openai")
@@ -90,6 +95,11 @@ class GatewayConfig:
     secret: str | None = None
     upstream: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Request bodies in flight (engine/server/body_reader.py): bytes overall and per tenant, read timeouts.
+    inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES
+    tenant_inflight_body_bytes: int = DEFAULT_TENANT_INFLIGHT_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S
     upstream_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     upstream_kind: str | None = None  # None: detected from the upstream URL
@@ -98,6 +108,13 @@ class GatewayConfig:
     cached_input_price_per_million: float = DEFAULT_CACHED_INPUT_PRICE
     upstreams: tuple[ReplicaSpec, ...] = ()  # [[upstreams]]: several replicas (gateway/replica_spec.py)
     routing: RoutingOptions = field(default_factory=RoutingOptions)  # [routing]
+
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(
+            max_bytes=self.max_body_bytes, inflight_bytes=self.inflight_body_bytes,
+            tenant_inflight_bytes=self.tenant_inflight_body_bytes,
+            timeout_s=self.body_timeout_s, idle_timeout_s=self.body_idle_timeout_s,
+        )
 
 
 def parse_isolation(value: Any, where: str) -> str:
@@ -195,6 +212,12 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         secret=secret,
         upstream=upstream,
         max_body_bytes=int(_number(server, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "server")),
+        inflight_body_bytes=int(_number(server, "inflight_body_bytes", DEFAULT_INFLIGHT_BODY_BYTES, "server")),
+        tenant_inflight_body_bytes=int(
+            _number(server, "tenant_inflight_body_bytes", DEFAULT_TENANT_INFLIGHT_BODY_BYTES, "server")
+        ),
+        body_timeout_s=_number(server, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S, "server"),
+        body_idle_timeout_s=_number(server, "body_idle_timeout_s", DEFAULT_BODY_IDLE_TIMEOUT_S, "server"),
         upstream_timeout_s=_number(server, "upstream_timeout_s", 600.0, "server"),
         connect_timeout_s=_number(server, "connect_timeout_s", 5.0, "server"),
         upstream_kind=upstream_kind,

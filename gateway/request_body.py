@@ -1,5 +1,9 @@
 """Reading and validating client request bodies (bounded, OpenAI-shaped 4xx errors).
 
+Reading is the engine's :class:`~engine.server.body_reader.BodyReader` (content type,
+size, read timeouts, bytes in flight per tenant and overall), its errors rendered as
+:class:`GatewayError`.
+
 Only what the gateway itself relies on is validated here (the JSON object, its
 nesting depth, the ``model``/``stream``/``messages``/``prompt`` shapes,
 ``cache_salt``, and the types of the fields it canonicalizes); every other field
@@ -17,10 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
+from engine.server.body_reader import BodyLease, BodyReader
+from engine.server.errors import APIError
 from engine.server.protocol import MAX_JSON_DEPTH, too_deep_field
-from gateway.errors import GatewayError, InvalidRequest, PayloadTooLarge
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.salt import MAX_CLIENT_SALT_CHARS
 
 
@@ -32,21 +38,17 @@ class ClientGone(GatewayError):
     code = "client_disconnected"
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes")
-    chunks: list[bytes] = []
-    size = 0
+async def read_body(request: Request, reader: BodyReader, lease: BodyLease) -> bytes:
+    """The body, read by the engine's bounded :class:`BodyReader` (the one implementation):
+    its refusals (415, 413, 408, 429/503 past the bytes in flight) as gateway errors."""
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise PayloadTooLarge(f"request body exceeds the limit of {max_bytes} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone("client disconnected while sending the body") from None
-    return b"".join(chunks)
+        return await reader.read(request, lease)
+    except APIError as refused:
+        if refused.code == "client_disconnected":
+            raise ClientGone("client disconnected while sending the body") from None
+        error = GatewayError(refused.message, param=refused.param, code=refused.code)
+        error.status, error.type = refused.status_code, refused.type
+        raise error from None
 
 
 def _expect(body: dict[str, Any], field: str, kind: type, what: str) -> None:

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from engine.core.llm_engine import LLMEngine
 from engine.server import errors
 from engine.server.api_key import ApiKeyGuard
+from engine.server.body_reader import BodyLimits, BodyReader
 from engine.server.errors import APIError
 from engine.server.images import MediaPolicy
 from engine.server.request_handler import RequestHandler
@@ -64,15 +65,17 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: LLMEngine, *, media: MediaPolicy | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> Starlette:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+               body_limits: BodyLimits | None = None) -> Starlette:
     """An ASGI app serving ``engine`` (already started; the caller owns its lifetime).
 
     With ``api_key`` every route but ``/health`` needs it as a bearer token
     (:class:`~engine.server.api_key.ApiKeyGuard`). ``media`` says which remote image
-    URLs are fetched (default: none, only inline data: URLs)."""
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
-    handler = RequestHandler(engine, media=media or MediaPolicy(), max_body_bytes=max_body_bytes)
+    URLs are fetched (default: none, only inline data: URLs). ``body_limits`` bounds
+    request bodies (:mod:`engine.server.body_reader`); ``max_body_bytes`` is the
+    shorthand for its size limit when it is not given."""
+    limits = body_limits or BodyLimits(max_bytes=max_body_bytes)
+    handler = RequestHandler(engine, media=media or MediaPolicy(), bodies=BodyReader(limits))
     routes = [
         Route("/health", handler.health, methods=["GET"]),
         Route("/v1/models", handler.models, methods=["GET"]),

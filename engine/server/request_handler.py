@@ -3,7 +3,9 @@
 Flow of one generation request (``POST /v1/chat/completions``, ``/v1/completions``
 or ``/v1/responses``):
 
-1. the body is read with a byte bound (413 past ``max_body_bytes``);
+1. the body is read by the server's :class:`~engine.server.body_reader.BodyReader`
+   (415 unless ``application/json``, 413 past its size limit, 408 when too slow,
+   429/503 past the bytes of bodies in flight per tenant and overall);
 2. in a worker thread (the event loop never decodes JSON, tokenizes or touches
    torch), the body is decoded (400 for malformed JSON), validated
    (:mod:`engine.server.protocol`; a Responses body is first translated to chat by
@@ -38,13 +40,14 @@ from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from engine.core.llm_engine import GenerationRequest, LLMEngine, StepOutput
 from engine.core.output_stream import TokenLogprobs
 from engine.server import errors
+from engine.server.body_reader import TENANT_HEADER, BodyReader
 from engine.server.chat import ChatRenderer
 from engine.server.errors import APIError
 from engine.server.event_stream import EventStreamResponse
@@ -60,9 +63,6 @@ from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 
 logger = logging.getLogger(__name__)
 
-TENANT_HEADER = "x-prefixgate-tenant"
-"""Names the tenant a request is for (the gateway sets it): the scheduler shares prefill
-between tenants by it (else by the cache salt). Not isolation, which is the salt's job."""
 MAX_TENANT_CHARS = 256
 
 
@@ -112,10 +112,10 @@ def _usage(tallies: list[_Tally]) -> Usage:
 class RequestHandler:
     """The request handlers of one app, bound to one engine (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, max_body_bytes: int) -> None:
+    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, bodies: BodyReader) -> None:
         self.engine = engine
         self.media = media
-        self.max_body_bytes = max_body_bytes
+        self.bodies = bodies
         self.renderer = ChatRenderer(
             engine.tokenizer,
             supports_images=engine.supports_images,
@@ -171,40 +171,29 @@ class RequestHandler:
         return await self._respond(prepared, arrival, request.receive)
 
     async def _admit(self, request: Request, kind: str) -> _Prepared:
-        """Read, validate, tokenize and submit; every refusal is an APIError."""
+        """Read, validate, tokenize and submit; every refusal is an APIError.
+
+        The body's budget is held until it is parsed and submitted: nothing built from
+        the raw bytes outlives this method but the prompt, which the scheduler bounds."""
         tenant = request.headers.get(TENANT_HEADER)
         if tenant is not None and not 0 < len(tenant) <= MAX_TENANT_CHARS:
             raise errors.invalid_param(f"The {TENANT_HEADER} header must have 1 to {MAX_TENANT_CHARS} characters.",
                                        None, "invalid_tenant")
-        raw = await self._read_body(request)
-        try:
-            prepared = await run_in_threadpool(self._prepare, raw, kind, tenant)
-            prepared.fanout.submit_first()
-            return prepared
-        except ValueError as exc:  # user input refused below protocol.py, naming its value
-            raise errors.invalid_param(str(exc), None) from exc
-        except RecursionError as exc:  # caused by the body's shape, not by the engine
-            raise errors.invalid_param("The request is nested too deeply to render.", None,
-                                       "json_too_deep") from exc
-        except RuntimeError as exc:  # submit() after the engine shut down
-            raise errors.engine_unavailable(str(exc)) from exc
-
-    async def _read_body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise errors.body_too_large(self.max_body_bytes)
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise errors.body_too_large(self.max_body_bytes)
-                chunks.append(chunk)
-        except ClientDisconnect as exc:  # nobody is left to answer; no stack trace either
-            raise errors.APIError(400, "The client disconnected while sending the body.",
-                                  code="client_disconnected") from exc
-        return b"".join(chunks)
+        with self.bodies.lease(tenant or "") as lease:
+            raw = await self.bodies.read(request, lease)
+            try:
+                prepared = await run_in_threadpool(self._prepare, raw, kind, tenant)
+                prepared.fanout.submit_first()
+                return prepared
+            except ValueError as exc:  # user input refused below protocol.py, naming its value
+                raise errors.invalid_param(str(exc), None) from exc
+            except RecursionError as exc:  # caused by the body's shape, not by the engine
+                raise errors.invalid_param("The request is nested too deeply to render.", None,
+                                           "json_too_deep") from exc
+            except RuntimeError as exc:  # submit() after the engine shut down
+                raise errors.engine_unavailable(str(exc)) from exc
+            finally:
+                del raw  # a failure's traceback keeps this frame: not the bytes too
 
     def _prepare(self, content: bytes, kind: str, tenant: str | None = None) -> _Prepared:
         """Decode, validate, render and tokenize (runs in a worker thread: a body of

@@ -32,7 +32,7 @@ class FakeUpstream:
     """An OpenAI-shaped upstream that records every body it receives.
 
     ``mode``: "ok", "no_cached" (usage without prompt_tokens_details), "error500",
-    "invalid_json", "endless" (streams until the client goes away).
+    "error429", "invalid_json", "endless" (streams until the client goes away).
     """
 
     def __init__(self) -> None:
@@ -58,6 +58,9 @@ class FakeUpstream:
         self.bodies.append(body)
         if self.mode == "error500":
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        if self.mode == "error429":
+            return JSONResponse({"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
+                                           "code": "rate_limit_exceeded"}}, status_code=429)
         if self.mode == "invalid_json":
             return Response(b"{not json", media_type="application/json")
         if body.get("model") == "missing-model":

@@ -70,12 +70,28 @@ def test_example_config(tmp_path):
         ({"tenants": {"a": {"colour": "red"}}}, "unknown field"),
         ({"server": {"secret": "short"}}, "secret"),
         ({"server": {"max_body_bytes": 0}}, "max_body_bytes"),
+        ({"server": {"inflight_body_bytes": 0}}, "inflight_body_bytes"),
+        ({"server": {"tenant_inflight_body_bytes": -5}}, "tenant_inflight_body_bytes"),
+        ({"server": {"body_timeout_s": "60"}}, "body_timeout_s"),
+        ({"server": {"body_idle_timeout_s": True}}, "body_idle_timeout_s"),
         ({"serverr": {}}, "unknown top-level"),
     ],
 )
 def test_bad_config_names_the_field(data, message):
     with pytest.raises(ValueError, match=message):
         parse_config(data)
+
+
+def test_body_limits_come_from_the_server_table():
+    from engine.server.body_reader import BodyLimits
+
+    config = parse_config({"server": {"max_body_bytes": 1000, "inflight_body_bytes": 5000,
+                                      "tenant_inflight_body_bytes": 2000, "body_timeout_s": 30,
+                                      "body_idle_timeout_s": 2.5}})
+    assert config.body_limits() == BodyLimits(max_bytes=1000, inflight_bytes=5000, tenant_inflight_bytes=2000,
+                                              timeout_s=30.0, idle_timeout_s=2.5)
+    defaults = GatewayConfig().body_limits()
+    assert (defaults.max_bytes, defaults.inflight_bytes, defaults.tenant_inflight_bytes) == (8 << 20, 128 << 20, 64 << 20)
 
 
 def test_invalid_toml(tmp_path):

@@ -14,6 +14,8 @@ from test_engine_http_fixtures import serve, wait_until
 
 from engine.server.errors import APIError
 
+JSON = {"content-type": "application/json"}
+
 
 @pytest.fixture
 def live(tiny_engine):
@@ -144,7 +146,7 @@ def test_responses_input_image_errors_name_the_input_item_and_part(client, tiny_
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b'{"messages": [', b"\xff\xfe"])
 def test_malformed_json_is_400(live, raw):
-    resp = httpx.post(live.api_url + "/chat/completions", content=raw, headers={"content-type": "application/json"})
+    resp = httpx.post(live.api_url + "/chat/completions", content=raw, headers=JSON)
     assert resp.status_code == 400
     assert_error_shape(resp.json(), code="invalid_json")
 
@@ -168,7 +170,7 @@ def test_oversized_body_is_413(live, tiny_engine):
         yield b'"}'
 
     # Without a content-length (chunked), the bound is enforced while reading.
-    resp = httpx.post(live.api_url + "/completions", content=chunks())
+    resp = httpx.post(live.api_url + "/completions", content=chunks(), headers=JSON)
     assert resp.status_code == 413
     assert_error_shape(resp.json(), code="request_too_large")
 
@@ -216,7 +218,7 @@ def test_deeply_nested_tools_are_400_not_5xx(live, tiny_engine, depth):
     raw = (b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
            b'"tools": [{"type": "function", "function": {"name": "f", "parameters": %s}}]}'
            % (tiny_engine.model_id.encode(), parameters))
-    resp = httpx.post(live.api_url + "/chat/completions", content=raw)
+    resp = httpx.post(live.api_url + "/chat/completions", content=raw, headers=JSON)
     assert resp.status_code == 400, resp.text
     assert_error_shape(resp.json(), param="tools", code="json_too_deep")
 
@@ -228,7 +230,7 @@ def test_deeply_nested_content_and_body_are_400(live, tiny_engine):
         ("/completions", b'{"prompt": "x", "metadata": ' + deep + b"}"),
         ("/completions", b'{"prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}"),
     ]:
-        resp = httpx.post(live.api_url + path, content=raw)
+        resp = httpx.post(live.api_url + path, content=raw, headers=JSON)
         assert resp.status_code == 400, resp.text
         assert_error_shape(resp.json())
 
@@ -245,10 +247,11 @@ def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_en
 def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
     """Each token covers at most `max_token_chars` characters: past that many per token of
     context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
+    from engine.server.body_reader import BodyReader
     from engine.server.images import MediaPolicy
     from engine.server.request_handler import RequestHandler
 
-    handler = RequestHandler(tiny_engine, media=MediaPolicy(), max_body_bytes=64 * 1024 * 1024)
+    handler = RequestHandler(tiny_engine, media=MediaPolicy(), bodies=BodyReader())
     per_token = handler.renderer.max_token_chars
     assert per_token is not None and per_token >= max(len(t) for t in tiny_engine.tokenizer.get_vocab())
     calls = []
