@@ -36,6 +36,7 @@ from gateway.proxy import PATHS, Proxy
 from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
+from gateway.stall_watchdog import StallWatchdog
 from gateway.stats_report import per_tenant
 from gateway.stats_writer import StatsWriter
 
@@ -97,6 +98,7 @@ class GatewayState:
         self.replicas = ReplicaSet(
             settings.replica_specs(), self.client, settings.routing,
             kind=settings.upstream_kind, api_key=settings.upstream_api_key,
+            watchdog=StallWatchdog(settings.config.upstream_idle_timeout_s, settings.config.upstream_timeout_s),
         )
         self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
         self.db_engine = create_db_engine(settings.db_url)

@@ -84,7 +84,8 @@ class GatewayConfig:
     secret: str | None = None
     upstream: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = 600.0  # total, per request
+    upstream_idle_timeout_s: float = 15.0  # no byte this long: probe the replica (stall_watchdog.py)
     connect_timeout_s: float = 5.0
     upstream_kind: str | None = None  # None: detected from the upstream URL
     # The dashboard's cost estimate, in any currency per million prompt tokens.
@@ -190,6 +191,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         upstream=upstream,
         max_body_bytes=int(_number(server, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, "server")),
         upstream_timeout_s=_number(server, "upstream_timeout_s", 600.0, "server"),
+        upstream_idle_timeout_s=_number(server, "upstream_idle_timeout_s", 15.0, "server"),
         connect_timeout_s=_number(server, "connect_timeout_s", 5.0, "server"),
         upstream_kind=upstream_kind,
         input_price_per_million=input_price,
