@@ -100,10 +100,11 @@ def run_gateway(
     """
     import uvicorn
 
-    from gateway import database
+    from gateway import database, runtime_dir
     from gateway.app import create_app
 
     configure_logging(log_level)
+    runtime_dir.clean_stale()  # what a run killed with SIGKILL left in the temp dir
     database.upgrade(settings.db_url)
     if settings.open_mode:
         log.warning(
