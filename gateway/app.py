@@ -25,12 +25,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.authenticator import Authenticator
+from gateway.authenticator import Authenticator, bearer_token
 from gateway.connection_pool import ConnectionPool
 from gateway.dashboard import dashboard_route
 from gateway.database import create_db_engine
-from gateway.errors import GatewayError, NotFound, error_response
-from gateway.metrics import GatewayMetrics
+from gateway.errors import GatewayError, NotFound, Unauthorized, error_response
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsListener
 from gateway.prefix_warner import History, PrefixWarner
 from gateway.proxy import PATHS, Proxy
 from gateway.replica_metrics import ReplicaCollector
@@ -150,7 +150,15 @@ def create_app(
         return _json({"status": "ok", "upstream": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        authorization = request.headers.get("authorization")
+        try:
+            if bearer_token(authorization) is None:
+                raise Unauthorized("/metrics needs an admin API key (or run with --metrics-port PORT "
+                                   "to serve it without one on 127.0.0.1:PORT).")
+            state.authenticator.require_admin(authorization)
+        except GatewayError as error:
+            return error_response(error)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     async def cache_stats(request: Request) -> Response:
         try:
@@ -175,9 +183,14 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.replicas.start()
+        listener = None
+        if settings.metrics_port is not None:
+            listener = MetricsListener(settings.metrics_port, state.metrics.render).start()
         try:
             yield
         finally:
+            if listener is not None:
+                listener.close()
             await state.aclose()
 
     app = Starlette(

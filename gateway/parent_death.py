@@ -22,7 +22,7 @@ PR_SET_PDEATHSIG = 1
 
 def _prctl() -> Callable[[int, int], int] | None:
     with contextlib.suppress(OSError, AttributeError):
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        return ctypes.CDLL(None, use_errno=True).prctl
     return None
 
 

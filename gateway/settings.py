@@ -28,6 +28,7 @@ class GatewaySettings:
     upstream_api_key: str | None = None
     replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
     routing: RoutingOptions = field(default_factory=RoutingOptions)
+    metrics_port: int | None = None  # unauthenticated /metrics on 127.0.0.1 (metrics.MetricsListener)
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
         return self.replicas or (ReplicaSpec(self.upstream, "r0"),)

@@ -38,6 +38,7 @@ failure: the supervisor stops and reports it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -48,7 +49,7 @@ import time
 from typing import Any
 
 from gateway import runtime_dir
-from gateway.metrics import MULTIPROC_ENV
+from gateway.metrics import MULTIPROC_ENV, MetricsListener, render_workers
 from gateway.parent_death import die_with
 from gateway.settings import GatewaySettings
 
@@ -96,6 +97,9 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
     metrics_dir = runtime_dir.create("metrics")
     os.environ[MULTIPROC_ENV] = str(metrics_dir)
     history = HistoryServer(PrefixWarner()).start()
+    # One unauthenticated listener for the whole gateway, summing the workers' files.
+    listener = MetricsListener(settings.metrics_port, render_workers).start() if settings.metrics_port else None
+    settings = dataclasses.replace(settings, metrics_port=None)
     context = multiprocessing.get_context("spawn")
     stop = threading.Event()
     started: dict[int, float] = {}
@@ -138,6 +142,8 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         history.close()
+        if listener is not None:
+            listener.close()
         sock.close()
         runtime_dir.remove(metrics_dir)
         os.environ.pop(MULTIPROC_ENV, None)

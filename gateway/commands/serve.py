@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway import runtime_dir
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.metrics import METRICS_HOST
     from gateway.ports import ensure_free
     from gateway.replica_spec import local_replicas
 
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         if args.port in range(args.engine_port, args.engine_port + len(engines)):
             raise ValueError(f"--port {args.port} is one of the engines' ports: give them different ports")
         ensure_free(args.host, args.port, "gateway")
+        if args.metrics_port is not None:
+            ensure_free(METRICS_HOST, args.metrics_port, "metrics")
         for engine in engines:
             ensure_free(engine.host, engine.port, "engine")
         # The engines get one random per-run key; only the gateway holds it (engine_process.py).
