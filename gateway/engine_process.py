@@ -12,9 +12,11 @@ and the key was accepted on ``GET /v1/models``, and raises as soon as the child 
 SIGKILL after a grace period).
 
 Supervision, both ways: the child runs in its own session (a terminal's Ctrl-C
-reaches only ``serve``, which stops it) and gets SIGTERM from the kernel when
+reaches only ``serve``, which stops it) and gets SIGKILL from the kernel when
 ``serve`` dies, ``kill -9`` included (``parent_death.py``), so no engine keeps its
-port after ``serve``. :meth:`supervise` restarts a child that exits for any reason
+port after ``serve``: SIGKILL, not SIGTERM, because it also ends an engine that is
+stopped (SIGSTOP) or wedged, and an engine whose only client is gone has nothing
+to finish. :meth:`supervise` restarts a child that exits for any reason
 (status 0 too) while ``serve`` runs, on the same port with the same key, after a
 back-off of 1, 2, 4 ... up to 30 s; a child that ran healthy for ``STABLE_S``
 resets the back-off. After ``MAX_RESTARTS`` failed restarts in a row it gives up
@@ -80,7 +82,7 @@ class EngineProcess:
             # The child shares our stdout/stderr so its loading progress is visible.
             self.process = subprocess.Popen(
                 self.command, env={**os.environ, API_KEY_ENV: self.api_key},
-                start_new_session=True, preexec_fn=preexec(signal.SIGTERM),
+                start_new_session=True, preexec_fn=preexec(signal.SIGKILL),
             )
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.25) -> None:
