@@ -97,7 +97,6 @@ def test_stopped_replica_killed_serve_and_restarted_engine(tmp_path) -> None:
         assert sorted(pids) == [engine_port, engine_port + 1]
         # -- a SIGSTOPped replica: its in-flight streams end with an error within 30 s.
         first_chunk = [threading.Event() for _ in range(4)]
-        ended = [threading.Event() for _ in range(4)]
         leave = threading.Event()  # the streams on the replica that answers are closed by the client
         outcome: list[tuple[str, float] | None] = [None] * 4
 
@@ -117,7 +116,6 @@ def test_stopped_replica_killed_serve_and_restarted_engine(tmp_path) -> None:
                 outcome[i] = (f"error: {exc}", time.monotonic())
             finally:
                 first_chunk[i].set()
-                ended[i].set()
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for thread in threads:
