@@ -23,6 +23,10 @@ Phases, each a row of the table:
    upstream of ``gateway_overhead.py``): a quiet tenant's sequential latency, idle and
    while another tenant's two clients send 8 KiB bodies of nine distinct 2048x2048 PNGs
    in one conversation (each turn compared with the previous one names 18 images).
+9. supervision (its own ``serve --replicas 2``, :func:`case_supervision`): streams in flight
+   on an engine that gets SIGSTOP (seconds until they end, and how), requests after it;
+   ``kill -9`` of ``serve`` (engines left, ports held, a new ``serve`` on the same ports);
+   an engine child that exits 0 (seconds until ``serve`` answers again).
 
 Prints the table and writes JSON to benchmarks/results/fault_campaign.json.
 Usage: python benchmarks/fault_campaign.py [--cases 2000] [--fault-requests 2000] [--quick] [--only PHASE]
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -562,6 +567,150 @@ def phase_image_stall(processes: Processes, seconds: float, quiet: int = 200, ki
         "noisy_checks_cut_short": sum(cut_short),
         "noisy_p50_ms": 1000 * sorted(seconds for _, seconds in noisy)[len(noisy) // 2] if noisy else None,
     }
+# --------------------------------------------------------------------------- supervision
+
+def _serve(data: Path, port: int, engine_port: int, replicas: int) -> subprocess.Popen[bytes]:
+    data.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--replicas", str(replicas), "--port", str(port),
+         "--engine-port", str(engine_port), "--data-dir", str(data), "--health-interval", "60",
+         "--engine-arg=--kv-cache-memory=0.05", "--log-level", "error"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    wait_healthy(f"http://127.0.0.1:{port}", process)
+    return process
+
+
+def _engines_of(serve: subprocess.Popen[bytes]) -> dict[int, int]:
+    """Engine port -> pid among the children of ``serve``."""
+    found = {}
+    for pid in map(int, subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True,
+                                       text=True).stdout.split()):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"engine" in args and b"--port" in args:
+            found[int(args[args.index(b"--port") + 1])] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _port_held(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _stream_outcome(url: str, tenant: str, first: threading.Event) -> tuple[str, float]:
+    """Stream 100 tokens; ("ok" | the error's code, when it ended)."""
+    body = {"model": MODEL, "stream": True, "max_tokens": 100, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Team {tenant}: count from 1 to 500."}]}
+    outcome = "no answer"
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600,
+                          headers={"authorization": f"Bearer {tenant}"}) as response:
+            for line in response.iter_lines():
+                first.set()
+                if line.startswith("data: {\"error\""):
+                    outcome = json.loads(line[6:])["error"]["code"] or "error"
+                elif line == "data: [DONE]":
+                    outcome = "ok"
+    except httpx.HTTPError as exc:
+        outcome = type(exc).__name__
+    finally:
+        first.set()
+    return outcome, time.monotonic()
+
+
+def case_supervision(workdir: Path) -> dict[str, Any]:
+    """Self-contained: its own ``serve`` processes on fresh ports; the figures of issue 29's
+    items 4 and 5."""
+    port, engine_port = free_port(), 20000 + free_port() % 20000
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {}
+    serve = _serve(workdir / "supervision-1", port, engine_port, 2)
+    engines = _engines_of(serve)
+    try:
+        firsts = [threading.Event() for _ in range(4)]
+        results: list[tuple[str, float]] = []
+        threads = [threading.Thread(target=lambda i=i: results.append(_stream_outcome(url, f"s{i}", firsts[i])))
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for event in firsts:
+            event.wait(600)
+        os.kill(engines[engine_port + 1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        for thread in threads:
+            thread.join(900)
+        out["in_flight"] = sorted((code, round(at - stopped, 1)) for code, at in results)
+        after = [httpx.post(url + "/v1/chat/completions", timeout=600, headers={"authorization": f"Bearer a{i}"},
+                            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+                            ).status_code for i in range(4)]
+        out["after_statuses"] = after
+        serve.kill()  # kill -9, one engine still stopped
+        serve.wait(60)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in engines.values()) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        out["engines_left_after_kill9"] = sum(_alive(pid) for pid in engines.values())
+        out["engines_gone_s"] = round(time.monotonic() - killed, 2)
+        out["ports_held_after_kill9"] = [p for p in (port, engine_port, engine_port + 1) if _port_held(p)]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        for pid in engines.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    began = time.monotonic()
+    try:
+        again = _serve(workdir / "supervision-2", port, engine_port, 1)
+    except RuntimeError as exc:
+        out["restart_error"] = str(exc)
+        return out
+    out["new_serve_healthy_s"] = round(time.monotonic() - began, 1)
+    try:
+        (old,) = _engines_of(again).values()
+        os.kill(old, signal.SIGTERM)  # the engine exits 0
+        exited = time.monotonic()
+        status = None
+        while time.monotonic() - exited < 600:
+            with contextlib.suppress(httpx.HTTPError):
+                status = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"authorization": "Bearer b"},
+                                    json={"model": MODEL, "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": "Hi"}]}).status_code
+                if status == 200 and _alive(old) is False:
+                    break
+            time.sleep(0.2)
+        out["after_exit0_status"] = status
+        out["after_exit0_answering_s"] = round(time.monotonic() - exited, 1)
+    finally:
+        again.send_signal(signal.SIGINT)
+        out["second_serve_exit"] = again.wait(120)
+    return out
+
+
+def supervision_rows(s: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    errors = [at for code, at in s.get("in_flight", []) if code != "ok"]
+    return [
+        ("SIGSTOPped replica: in-flight streams ended (code, s)", str(s.get("in_flight")),
+         bool(errors) and max(errors) < 30),
+        ("  requests after it", str(s.get("after_statuses")), s.get("after_statuses") == [200] * 4),
+        ("kill -9 of serve: engines left / ports held / gone in", f"{s.get('engines_left_after_kill9')} / "
+         f"{s.get('ports_held_after_kill9')} / {s.get('engines_gone_s')} s",
+         s.get("engines_left_after_kill9") == 0 and s.get("ports_held_after_kill9") == []),
+        ("  a new serve on the same ports: healthy in", f"{s.get('new_serve_healthy_s', s.get('restart_error'))} s",
+         "new_serve_healthy_s" in s),
+        ("engine child exits 0: serve answers again in", f"{s.get('after_exit0_answering_s')} s "
+         f"(status {s.get('after_exit0_status')})", s.get("after_exit0_status") == 200),
+    ]
 
 
 # --------------------------------------------------------------------------- main
@@ -577,7 +726,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="200 cases, 200 fault requests")
     parser.add_argument("--only", default=None, metavar="PHASE",
                         help="run one phase: malformed, faults, cancel, isolation, engine_auth, oversized, signals, "
-                        "image_stall")
+                        "image_stall, supervision")
     parser.add_argument("--image-seconds", type=float, default=15.0,
                         help="how long the image-stall case's noisy tenant sends (default 15)")
     parser.add_argument("--image-text-too", action="store_true",
@@ -589,6 +738,10 @@ def main() -> int:
     results: dict[str, Any] = {"machine": platform.platform(), "python": platform.python_version(),
                                "cpus": os.cpu_count(), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="prefixgate-campaign-") as tmp:
+        if args.only == "supervision":  # its own serve processes: nothing else is started
+            results["supervision"] = case_supervision(Path(tmp))
+            results["seconds"] = {}
+            return _write_and_print(results)
         processes = Processes(Path(tmp), args.max_model_len)
         if args.only == "image_stall":  # self-contained: no engine
             try:
@@ -633,11 +786,16 @@ def main() -> int:
                     results[f"signal_{sig.name}"] = timed(sig.name, phase_signal, processes, proxy_url, sig, 200)
             if args.only is None:
                 results["image_stall"] = timed("image_stall", phase_image_stall, processes, args.image_seconds)
+                results["supervision"] = timed("supervision", case_supervision, Path(tmp))
             results["blocks_in_use_at_end"] = engine_blocks_used(engine, processes.engine_key)
             results["seconds"] = timings
             proxy_server.should_exit = True
         finally:
             processes.stop()
+    return _write_and_print(results)
+
+
+def _write_and_print(results: dict[str, Any]) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fault_campaign.json").write_text(json.dumps(results, indent=2) + "\n")
     return print_table(results)
@@ -695,6 +853,8 @@ def print_table(r: dict[str, Any]) -> int:
                      f"{i['quiet_idle_p99_ms']:.1f} / {i['quiet_during_p99_ms']:.1f}, "
                      f"{i['noisy_requests']} x{i['noisy_statuses']}",
                      i["quiet_during_p99_ms"] <= 2 * i["quiet_idle_p99_ms"] and i["noisy_statuses"] == [200]))
+    if "supervision" in r:
+        rows.extend(supervision_rows(r["supervision"]))
     if "blocks_in_use_at_end" in r:
         rows.append(("KV blocks in use at the end", f"{r['blocks_in_use_at_end']:.0f}",
                      r["blocks_in_use_at_end"] == 0))

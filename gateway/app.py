@@ -26,17 +26,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.server.body_reader import BodyReader
-from gateway.authenticator import Authenticator
+from gateway.authenticator import Authenticator, bearer_token
 from gateway.connection_pool import ConnectionPool
 from gateway.dashboard import dashboard_route
 from gateway.database import create_db_engine
-from gateway.errors import GatewayError, NotFound, error_response
-from gateway.metrics import GatewayMetrics
+from gateway.errors import GatewayError, NotFound, Unauthorized, error_response
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics, MetricsListener
 from gateway.prefix_warner import History, PrefixWarner
 from gateway.proxy import PATHS, Proxy
 from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
 from gateway.settings import GatewaySettings
+from gateway.stall_watchdog import StallWatchdog
 from gateway.stats_report import per_tenant
 from gateway.stats_writer import StatsWriter
 
@@ -98,6 +99,7 @@ class GatewayState:
         self.replicas = ReplicaSet(
             settings.replica_specs(), self.client, settings.routing,
             kind=settings.upstream_kind, api_key=settings.upstream_api_key,
+            watchdog=StallWatchdog(settings.config.upstream_idle_timeout_s, settings.config.upstream_timeout_s),
         )
         self.authenticator = Authenticator(settings.config, open_mode=settings.open_mode)
         self.db_engine = create_db_engine(settings.db_url)
@@ -149,7 +151,15 @@ def create_app(
         return _json({"status": "ok", "upstream": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        authorization = request.headers.get("authorization")
+        try:
+            if bearer_token(authorization) is None:
+                raise Unauthorized("/metrics needs an admin API key (or run with --metrics-port PORT "
+                                   "to serve it without one on 127.0.0.1:PORT).")
+            state.authenticator.require_admin(authorization)
+        except GatewayError as error:
+            return error_response(error)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     async def cache_stats(request: Request) -> Response:
         try:
@@ -174,9 +184,14 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.replicas.start()
+        listener = None
+        if settings.metrics_port is not None:
+            listener = MetricsListener(settings.metrics_port, state.metrics.render).start()
         try:
             yield
         finally:
+            if listener is not None:
+                listener.close()
             await state.aclose()
 
     app = Starlette(

@@ -100,7 +100,8 @@ class GatewayConfig:
     tenant_inflight_body_bytes: int = DEFAULT_TENANT_INFLIGHT_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = 600.0  # total, per request
+    upstream_idle_timeout_s: float = 15.0  # no byte this long: probe the replica (stall_watchdog.py)
     connect_timeout_s: float = 5.0
     upstream_kind: str | None = None  # None: detected from the upstream URL
     # The dashboard's cost estimate, in any currency per million prompt tokens.
@@ -219,6 +220,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         body_timeout_s=_number(server, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S, "server"),
         body_idle_timeout_s=_number(server, "body_idle_timeout_s", DEFAULT_BODY_IDLE_TIMEOUT_S, "server"),
         upstream_timeout_s=_number(server, "upstream_timeout_s", 600.0, "server"),
+        upstream_idle_timeout_s=_number(server, "upstream_idle_timeout_s", 15.0, "server"),
         connect_timeout_s=_number(server, "connect_timeout_s", 5.0, "server"),
         upstream_kind=upstream_kind,
         input_price_per_million=input_price,

@@ -110,6 +110,13 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+class UpstreamStalled(UpstreamTimeout):
+    """The replica sent nothing for the idle timeout and did not answer a health probe
+    (frozen or wedged): the request ends now instead of at the total timeout."""
+
+    code = "upstream_stalled"
+
+
 def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
     """Render ``error`` as an OpenAI-shaped JSON response."""
     return Response(

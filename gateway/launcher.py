@@ -40,6 +40,9 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="also serve /metrics without a key on 127.0.0.1:PORT, for Prometheus "
+                        "(the gateway's own /metrics needs an admin key)")
 
 
 def build_settings(args: argparse.Namespace, upstream: str | None,
@@ -69,6 +72,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
         data_dir=data_dir,
         replicas=tuple(replicas),
         routing=routing_from_args(args, config.routing),
+        metrics_port=args.metrics_port,
     )
 
 
@@ -103,10 +107,11 @@ def run_gateway(
     """
     import uvicorn
 
-    from gateway import database
+    from gateway import database, runtime_dir
     from gateway.app import create_app
 
     configure_logging(log_level)
+    runtime_dir.clean_stale()  # what a run killed with SIGKILL left in the temp dir
     database.upgrade(settings.db_url)
     for line in settings.startup_warnings:
         log.warning("%s", line)

@@ -7,11 +7,22 @@ every value in a memory-mapped file per process, and ``render`` (whichever worke
 answers the scrape) sums the files of all workers, including those that exited.
 Collectors of live state (``add_collector``, e.g. the replicas' health) are read
 from the worker that answers.
+
+Access: the totals move with every tenant's traffic (another tenant's cache hit
+shows as +N cached tokens), so the gateway's ``/metrics`` needs an admin key (401
+without one). For a Prometheus scraper without keys, ``--metrics-port PORT`` adds a
+:class:`MetricsListener` on ``127.0.0.1:PORT`` (loopback only, never the public
+address) that answers ``GET /metrics`` alone, unauthenticated. With several workers
+the supervisor runs it and sums the workers' files (the replicas' live gauges are
+then absent: they live in the workers).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
@@ -19,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from gateway.request_record import RequestRecord
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = "text/plain; version=0.0.4"
+METRICS_HOST = "127.0.0.1"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -101,3 +114,43 @@ class GatewayMetrics:
         for collector in self._live:
             registry.register(collector)
         return generate_latest(registry)
+
+
+def render_workers() -> bytes:
+    """Every worker's counters from ``PROMETHEUS_MULTIPROC_DIR`` (the supervisor's view)."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=os.environ[MULTIPROC_ENV])
+    return generate_latest(registry)
+
+
+class MetricsListener:
+    """``GET /metrics`` without a key on ``127.0.0.1:port``, from a daemon thread; 404 for anything else."""
+
+    def __init__(self, port: int, render: Callable[[], bytes]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = render()
+                self.send_response(200)
+                self.send_header("content-type", CONTENT_TYPE)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # scrapes are not worth a log line each
+
+        self._server = ThreadingHTTPServer((METRICS_HOST, port), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, name="prefixgate-metrics", daemon=True)
+
+    def start(self) -> MetricsListener:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -41,6 +41,8 @@ class ReplicaCollector(Collector):
         counters = {
             "requests": ("Requests routed to the replica.", lambda r: r.requests),
             "unreachable": ("Connections to the replica that failed before sending.", lambda r: r.retried_away),
+            "stalls": ("Times the replica sent nothing for the idle timeout and missed its health probe.",
+                       lambda r: r.stalls),
             "predicted_cached_tokens": ("Cached tokens predicted at routing.", lambda r: r.predicted_tokens),
             "reported_cached_tokens": ("Cached tokens the replica reported (predicted requests).",
                                        lambda r: r.reported_tokens),

@@ -6,7 +6,10 @@
   healthy, and its index is dropped) when no connection can be made to it, at
   once, or after ``FAILURES_TO_LEAVE`` checks in a row that failed otherwise (a
   busy engine answering slowly keeps its place and its blocks); it rejoins as soon
-  as a check succeeds. A connection refused during a request takes it out at once.
+  as a check succeeds. A connection refused during a request takes it out at once,
+  and so does a request that waits on it without a byte for the idle timeout while
+  its ``/health`` does not answer either (``stall_watchdog.py``: a frozen replica's
+  requests end with a 504 within about 21 s instead of the total timeout).
 * Retry: a request whose connection to a replica fails before any byte of it was
   sent (connect refused or timed out: :class:`UpstreamUnreachable`) is sent to
   the next best replica; each replica is tried at most once. Nothing is retried once the request was written: the engine may
@@ -36,6 +39,7 @@ from gateway.kv_events import EventSource, KvEventSubscriber
 from gateway.replica_spec import ReplicaSpec, RoutingOptions
 from gateway.request_record import RequestRecord
 from gateway.router import Router
+from gateway.stall_watchdog import StallWatchdog
 from gateway.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,7 @@ class Replica:
         self.last_chosen = 0
         self.requests = 0
         self.retried_away = 0
+        self.stalls = 0
         self.predicted_tokens = 0
         self.reported_tokens = 0
         self.predictions_exact = 0
@@ -76,6 +81,14 @@ class Replica:
         if not healthy:
             self.index.forget()
         self.healthy = healthy
+
+    async def probe(self, timeout: float) -> bool:
+        """Whether ``/health`` answers 2xx within ``timeout`` (changes nothing)."""
+        try:
+            await self.upstream.check_health(timeout=timeout)
+        except GatewayError:
+            return False
+        return True
 
 
 class _SentMark:
@@ -103,6 +116,7 @@ class Route:
         self.prefill_tokens = 0
         self.tried: list[Replica] = []
         self.finished = False
+        self.deadline = replicas.watchdog.deadline()
 
     def _pick(self) -> Replica:
         choice = self.replicas.router.choose(self.replicas.replicas, self.keys, exclude=self.tried)
@@ -146,9 +160,10 @@ class Route:
                    ) -> tuple[dict[str, Any], bytes]:
         mark = _SentMark(on_sent)
         replica = self.replica or self._pick()
+        watchdog = self.replicas.watchdog
         while True:
             try:
-                return await replica.upstream.post(path, content, mark)
+                return await watchdog.wait(replica, replica.upstream.post(path, content, mark), self.deadline)
             except GatewayError as error:
                 if not self._retry_after(error, mark.sent):
                     raise
@@ -159,10 +174,12 @@ class Route:
                      ) -> AsyncIterator[AsyncIterator[bytes]]:
         mark = _SentMark(on_sent)
         replica = self.replica or self._pick()
+        watchdog = self.replicas.watchdog
         while True:
             stack = contextlib.AsyncExitStack()
             try:
-                chunks = await stack.enter_async_context(replica.upstream.stream(path, content, mark))
+                chunks = await watchdog.wait(
+                    replica, stack.enter_async_context(replica.upstream.stream(path, content, mark)), self.deadline)
             except GatewayError as error:
                 await stack.aclose()
                 if not self._retry_after(error, mark.sent):
@@ -170,7 +187,7 @@ class Route:
                 replica = self._pick()
                 continue
             async with stack:
-                yield chunks
+                yield watchdog.chunks(replica, chunks, self.deadline)
             return
 
     def finish(self) -> None:
@@ -206,8 +223,10 @@ def load_keyer(options: RoutingOptions) -> BlockKeyer | None:
 class ReplicaSet:
     def __init__(self, specs: Sequence[ReplicaSpec], client: httpx.AsyncClient,
                  options: RoutingOptions | None = None, keyer: BlockKeyer | None = None,
-                 kind: str = "vllm", api_key: str | None = None) -> None:
-        """``kind`` and ``api_key``: as :class:`Upstream` takes them, the same for every replica."""
+                 kind: str = "vllm", api_key: str | None = None,
+                 watchdog: StallWatchdog | None = None) -> None:
+        """``kind`` and ``api_key``: as :class:`Upstream` takes them, the same for every replica;
+        ``watchdog``: ends requests stuck on a replica (default: 15 s idle, 600 s total)."""
         if not specs:
             raise ValueError("at least one replica is needed")
         self.options = options or RoutingOptions()
@@ -215,6 +234,7 @@ class ReplicaSet:
         self.replicas = [Replica(spec, client, kind, api_key) for spec in specs]
         self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
+        self.watchdog = watchdog or StallWatchdog()
         self._health_task: asyncio.Task[None] | None = None
 
     @property
@@ -254,10 +274,12 @@ class ReplicaSet:
         for replica in self.replicas:
             if replica.subscriber is not None:
                 replica.subscriber.start()
+        self.watchdog.start()
         if self._health_task is None and len(self.replicas) > 1:
             self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
 
     async def aclose(self) -> None:
+        await self.watchdog.aclose()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

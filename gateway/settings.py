@@ -29,6 +29,7 @@ class GatewaySettings:
     replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
     routing: RoutingOptions = field(default_factory=RoutingOptions)
     startup_warnings: tuple[str, ...] = ()  # logged once at start (e.g. a secret file others can read)
+    metrics_port: int | None = None  # unauthenticated /metrics on 127.0.0.1 (metrics.MetricsListener)
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
         return self.replicas or (ReplicaSpec(self.upstream, "r0"),)

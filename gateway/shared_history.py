@@ -35,14 +35,13 @@ import os
 import socket
 import socketserver
 import struct
-import tempfile
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 import orjson
 
+from gateway import runtime_dir
 from linter.api import ConversationKeys
 
 log = logging.getLogger(__name__)
@@ -79,8 +78,8 @@ class HistoryServer:
     def __init__(self, store: Any) -> None:
         self.store = store
         self._lock = threading.Lock()
-        self._dir = tempfile.mkdtemp(prefix="prefixgate-history-")  # mode 0700
-        self.path = str(Path(self._dir) / "history.sock")
+        self._dir = runtime_dir.create("history")  # mode 0700, removed at the next start if we die
+        self.path = str(self._dir / "history.sock")
         owner = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -110,8 +109,7 @@ class HistoryServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        Path(self.path).unlink(missing_ok=True)
-        Path(self._dir).rmdir()
+        runtime_dir.remove(self._dir)
 
 
 def _decoded(reply: asyncio.Future[bytes]) -> Mapping[str, Any] | None:

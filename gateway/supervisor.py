@@ -38,25 +38,23 @@ failure: the supervisor stops and reports it).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from typing import Any
 
-from gateway.metrics import MULTIPROC_ENV
+from gateway import runtime_dir
+from gateway.metrics import MULTIPROC_ENV, MetricsListener, render_workers
+from gateway.parent_death import die_with
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("prefixgate.gateway")
 
-PR_SET_PDEATHSIG = 1
 STARTUP_GRACE_S = 5.0
 
 
@@ -96,9 +94,12 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
     sock = bind(host, port, reuse_port=REUSE_PORT, listen=not REUSE_PORT)
     port = sock.getsockname()[1]
     shared = None if REUSE_PORT else sock  # else each worker binds its own socket to (host, port)
-    metrics_dir = tempfile.mkdtemp(prefix="prefixgate-metrics-")
-    os.environ[MULTIPROC_ENV] = metrics_dir
+    metrics_dir = runtime_dir.create("metrics")
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)
     history = HistoryServer(PrefixWarner()).start()
+    # One unauthenticated listener for the whole gateway, summing the workers' files.
+    listener = MetricsListener(settings.metrics_port, render_workers).start() if settings.metrics_port else None
+    settings = dataclasses.replace(settings, metrics_port=None)
     context = multiprocessing.get_context("spawn")
     stop = threading.Event()
     started: dict[int, float] = {}
@@ -141,18 +142,12 @@ def serve_workers(settings: GatewaySettings, host: str, port: int, log_level: st
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         history.close()
+        if listener is not None:
+            listener.close()
         sock.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        runtime_dir.remove(metrics_dir)
         os.environ.pop(MULTIPROC_ENV, None)
     return status
-
-
-def _die_with(parent: int) -> None:
-    """Ask the kernel for SIGTERM when the supervisor dies (Linux), and check it still lives."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:
-        os._exit(0)
 
 
 def _worker(
@@ -166,7 +161,7 @@ def _worker(
     from gateway.shared_history import HistoryClient
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which forwards SIGTERM once
-    _die_with(parent)
+    die_with(parent)  # SIGTERM when the supervisor dies
     configure_logging(log_level)
     app = create_app(settings, history=HistoryClient(history_path))
     settle_heap()

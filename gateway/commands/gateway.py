@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.metrics import METRICS_HOST
     from gateway.ports import ensure_free
     from gateway.replica_spec import parse_upstream_arg
     from gateway.supervisor import default_workers
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         ensure_free(args.host, args.port, "gateway")
+        if args.metrics_port is not None:
+            ensure_free(METRICS_HOST, args.metrics_port, "metrics")
         replicas = [parse_upstream_arg(value, i) for i, value in enumerate(args.upstream)]
         settings = build_settings(args, None, replicas)
         kind = resolve_kind(args.upstream_kind or settings.config.upstream_kind, settings.upstream)

@@ -12,6 +12,7 @@ EPILOG = """examples:
   prefixgate serve --port 8000 --engine-port 8001
   prefixgate serve --replicas 3 --engine-arg=--kv-cache-memory=0.05   # engines on 8001-8003
   prefixgate serve --kv-offload-dir ~/.cache/prefixgate/kv --kv-offload-size 20   # warm after a restart
+  prefixgate serve --metrics-port 9100   # Prometheus scrapes 127.0.0.1:9100/metrics without a key
   # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
 """
 
@@ -72,17 +73,17 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
     import secrets
-    import shutil
     import signal
-    import tempfile
-    from pathlib import Path
 
+    from gateway import runtime_dir
     from gateway.engine_process import EngineProcess, EngineStartError
     from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.metrics import METRICS_HOST
     from gateway.ports import ensure_free
     from gateway.replica_spec import local_replicas
 
-    events_dir = Path(tempfile.mkdtemp(prefix="prefixgate-kv-events-"))  # 0700: events name tokens
+    runtime_dir.clean_stale()  # what a run killed with SIGKILL left behind
+    events_dir = runtime_dir.create("kv-events")  # 0700: events name tokens
     try:
         api_key = secrets.token_urlsafe(32)
         # Both ports before anything starts: a port taken by another engine would
@@ -94,13 +95,15 @@ def run(args: argparse.Namespace) -> int:
         if args.port in range(args.engine_port, args.engine_port + len(engines)):
             raise ValueError(f"--port {args.port} is one of the engines' ports: give them different ports")
         ensure_free(args.host, args.port, "gateway")
+        if args.metrics_port is not None:
+            ensure_free(METRICS_HOST, args.metrics_port, "metrics")
         for engine in engines:
             ensure_free(engine.host, engine.port, "engine")
         # The engines get one random per-run key; only the gateway holds it (engine_process.py).
         settings = dataclasses.replace(build_settings(args, engines[0].url, [spec for _, spec in replicas]),
                                        upstream_api_key=api_key)
     except ValueError as exc:
-        shutil.rmtree(events_dir, ignore_errors=True)
+        runtime_dir.remove(events_dir)
         return fail(str(exc))
     log = logging.getLogger("prefixgate.serve")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -109,16 +112,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     for engine in engines:
         log.info("starting the engine: %s", " ".join(engine.command))
-    engine_died: list[int] = []
+    engine_died: list[str] = []
 
-    def on_engine_exit(status: int) -> None:
-        if status == 0:  # a clean exit: the engine got Ctrl-C with us (same process group)
-            return
-        engine_died.append(status)
-        if len(engine_died) < len(engines):  # the gateway routes around a dead replica
-            log.error("an engine exited with status %s; %d left", status, len(engines) - len(engine_died))
-            return
-        log.error("the engine exited with status %s; stopping the gateway", status)
+    def on_give_up(reason: str) -> None:
+        # An engine that keeps failing: stop rather than answer 503 in front of it forever.
+        engine_died.append(reason)
+        log.error("%s; stopping the gateway", reason)
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully (stats flushed)
 
     try:
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             engine.start()
         for engine in engines:
             engine.wait_healthy(args.engine_timeout)
-            engine.watch(on_engine_exit)
+            engine.supervise(on_give_up, args.engine_timeout)  # restarts it if it exits
         log.info("engine healthy at %s; starting the gateway on %s:%d",
                  ", ".join(engine.url for engine in engines), args.host, args.port)
         run_gateway(settings, args.host, args.port, args.log_level)
@@ -141,4 +140,4 @@ def run(args: argparse.Namespace) -> int:
         for engine in engines:
             code = engine.stop()
             log.info("engine stopped (exit status %s)", code)
-        shutil.rmtree(events_dir, ignore_errors=True)
+        runtime_dir.remove(events_dir)

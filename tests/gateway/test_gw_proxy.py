@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import orjson
-from gw_fakes import SECRET, gateway_client, make_settings, rows
+from gw_fakes import SECRET, free_port, gateway_client, make_settings, rows, serve_in_thread
 
 from gateway.api_key import hash_key
 from gateway.prefix_warner import CONVERSATION_HEADER
@@ -289,14 +289,39 @@ def test_health_and_metrics(tmp_path, fake_upstream):
     async def go():
         async with gateway_client(make_settings(tmp_path, CONFIG), httpx.ASGITransport(fake_upstream.app)) as gw:
             await gw.post("/v1/chat/completions", json=CHAT, headers=auth(KEY_A))
-            return await gw.get("/health"), await gw.get("/metrics"), await gw.get("/nope")
+            scrapes = [await gw.get("/metrics", headers=headers) for headers in ({}, auth("nope"), auth(KEY_A))]
+            return await gw.get("/health"), await gw.get("/metrics", headers=auth(ADMIN)), await gw.get("/nope"), scrapes
 
-    health, metrics, missing = run(go())
+    health, metrics, missing, refused = run(go())
     assert health.json() == {"status": "ok", "upstream": "ok"}
+    # Every tenant's totals move in /metrics: only an admin key reads them.
+    assert [r.status_code for r in refused] == [401, 401, 403]
+    assert refused[0].json()["error"]["type"] == "authentication_error" and "--metrics-port" in refused[0].text
+    assert "prefixgate_" not in "".join(r.text for r in refused)
+    assert metrics.status_code == 200
     text = metrics.text
     assert 'prefixgate_requests_total{endpoint="chat.completions",status="200"} 1.0' in text
     assert "prefixgate_cached_tokens_total 16.0" in text
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_metrics_port_serves_metrics_without_a_key_on_its_own_port(tmp_path, fake_upstream):
+    import dataclasses
+
+    from gateway.app import create_app
+
+    metrics_port = free_port()
+    with serve_in_thread(fake_upstream.app) as upstream:
+        settings = dataclasses.replace(make_settings(tmp_path, upstream=upstream), metrics_port=metrics_port)
+        with serve_in_thread(create_app(settings)) as url:
+            assert httpx.post(url + "/v1/chat/completions", json=CHAT, headers=auth("me")).status_code == 200
+            assert httpx.get(url + "/metrics").status_code == 401  # open mode: no admin key exists
+            scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")
+            other = httpx.get(f"http://127.0.0.1:{metrics_port}/v1/cache/stats")
+    assert scrape.status_code == 200
+    assert 'prefixgate_requests_total{endpoint="chat.completions",status="200"} 1.0' in scrape.text
+    assert 'prefixgate_replica_healthy{replica="r0"} 1.0' in scrape.text
+    assert other.status_code == 404
 
 
 def _png_url(seed: int, side: int) -> str:

