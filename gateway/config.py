@@ -26,7 +26,7 @@ KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_INPUT_PRICE = 1.0
 DEFAULT_CACHED_INPUT_PRICE = 0.1
-UPSTREAM_KINDS = ("vllm", "openai")
+UPSTREAM_KINDS = ("vllm", "openai", "llamacpp")
 
 
 @dataclass(frozen=True)

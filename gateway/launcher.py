@@ -40,6 +40,15 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--responses-ttl", default="30d", metavar="DURATION",
+                        help="how long stored Responses (store: true, the default) are kept for "
+                        "previous_response_id and GET /v1/responses/{id}: seconds or 90m, 12h, 30d "
+                        "(default 30d, as OpenAI; 0 keeps none)")
+    parser.add_argument("--responses-max-turns", type=_whole, default=1000, metavar="N",
+                        help="longest previous_response_id chain; a longer one is a 400 (default 1000)")
+    parser.add_argument("--responses-max-bytes", type=_whole, default=None, metavar="BYTES",
+                        help="largest input of a continued conversation, in bytes of input items "
+                        "(default: the body limit, [server] max_body_bytes)")
 
 
 def build_settings(args: argparse.Namespace, upstream: str | None,
@@ -48,6 +57,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
 
     ``replicas`` (several ``--upstream``) win over the config's ``[[upstreams]]``."""
     from gateway.database import default_db_url
+    from gateway.response_store import ResponseLimits, parse_ttl
     from gateway.salt import load_or_create_secret
     from gateway.upstream import normalize_base_url
 
@@ -57,6 +67,8 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
     if not upstream:
         raise ValueError("no upstream: pass --upstream URL or set [server] upstream in the config")
     data_dir = args.data_dir or default_data_dir()
+    responses = ResponseLimits(parse_ttl(args.responses_ttl), args.responses_max_turns,
+                               args.responses_max_bytes or config.max_body_bytes)
     return GatewaySettings(
         upstream=normalize_base_url(upstream),
         secret=load_or_create_secret(data_dir, config.secret),
@@ -66,6 +78,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
         data_dir=data_dir,
         replicas=tuple(replicas),
         routing=routing_from_args(args, config.routing),
+        responses=responses,
     )
 
 
@@ -121,6 +134,12 @@ def run_gateway(
     settle_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
     return 0
+
+
+def _whole(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def fail(message: str) -> int:

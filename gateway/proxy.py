@@ -34,10 +34,11 @@ from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
+from gateway.response_turn import ResponseTurn, ResponseTurns
 from gateway.responses_body import canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
-from gateway.upstream_kind import scoped_body
+from gateway.upstream_kind import openai_usage, scoped_body
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Proxy:
         metrics: GatewayMetrics,
         secret: bytes,
         max_body_bytes: int,
+        turns: ResponseTurns,
     ) -> None:
         self.replicas = replicas
         self.authenticator = authenticator
@@ -65,6 +67,7 @@ class Proxy:
         self.metrics = metrics
         self.secret = secret
         self.max_body_bytes = max_body_bytes
+        self.turns = turns
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         record = RequestRecord(endpoint=endpoint, upstream=self.replicas.primary.base_url)
@@ -96,10 +99,13 @@ class Proxy:
         record.stream = bool(body.get("stream"))
         client_salt = body.pop("cache_salt", None)
         original = body
+        turn: ResponseTurn | None = None
         if record.endpoint == "chat.completions":
             body, record.canonicalization = canonicalize(body, tenant.canonicalize)
-        elif record.endpoint == "responses":
+        elif record.endpoint == "responses":  # stateful: the previous turn's items before the new input
+            turn = await self.turns.begin(tenant.name, body)
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
+            original, body = turn.joined(original), turn.expand(body)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
 
         async def check(lint_after: asyncio.Future[None] | None = None) -> list[PrefixWarning]:
@@ -133,7 +139,8 @@ class Proxy:
             if checking is not None:
                 checking.cancel()
             raise
-        path, content = PATHS[record.endpoint], orjson.dumps(upstream_body)
+        path = PATHS[record.endpoint]
+        content = turn.content(upstream_body) if turn is not None else orjson.dumps(upstream_body)
 
         def on_sent(*_: Any) -> None:
             if not sent.done():
@@ -161,8 +168,26 @@ class Proxy:
         headers = self._headers(record)
         if record.stream:
             relay = SseRelay(record, strip_usage=strip_usage, warnings=warning_dicts)
-            return RelayResponse(RelayStream(stack, result, relay, record, self._record), headers)
-        return self._complete(record, result, warning_dicts, headers)
+            on_response = None if turn is None else self._saver(turn)
+            return RelayResponse(RelayStream(stack, result, relay, record, self._record, on_response), headers)
+        patch: dict[str, Any] = {}
+        if turn is not None:
+            await self._saver(turn)(result[0])
+            patch.update(turn.response_fields())
+        usage = openai_usage(self.replicas.kind, result[0])
+        if usage is not None:
+            patch["usage"] = usage
+        return self._complete(record, result, warning_dicts, headers, patch)
+
+    def _saver(self, turn: ResponseTurn) -> Callable[[Any], Awaitable[object]]:
+        """Stores a turn's completed response; a storage failure is a 500 (logged)."""
+        async def save(response: Any) -> object:
+            try:
+                return await self.turns.save(turn, response)
+            except Exception:
+                log.exception("could not store a response")
+                raise GatewayError("the gateway could not store the response", code="response_store_failed") from None
+        return save
 
     def _upstream_body(
         self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, record: RequestRecord
@@ -202,12 +227,16 @@ class Proxy:
         result: tuple[dict[str, Any], bytes],
         warnings: list[dict[str, Any]],
         headers: dict[str, str],
+        patch: dict[str, Any],
     ) -> Response:
+        """``patch``: top-level fields replacing the upstream's (Responses storage, mapped usage)."""
         parsed, content = result
         record.mark_first_byte()
+        parsed.update(patch)
         record.take_usage(parsed.get("usage"))
         if warnings:
             parsed["prefix_warnings"] = warnings
+        if warnings or patch:
             content = orjson.dumps(parsed)
         record.finish(200)
         self._record(record)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 from gateway.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.response_store import ResponseLimits
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class GatewaySettings:
     upstream_api_key: str | None = None
     replicas: tuple[ReplicaSpec, ...] = ()  # empty: the single ``upstream``
     routing: RoutingOptions = field(default_factory=RoutingOptions)
+    responses: ResponseLimits = field(default_factory=ResponseLimits)  # the Responses state API
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
         return self.replicas or (ReplicaSpec(self.upstream, "r0"),)
