@@ -25,13 +25,20 @@ import openai
 import orjson
 import pytest
 from gw_fakes import SECRET, make_settings, rows, serve_in_thread
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import inspect
 
 from gateway import database
 from gateway.api_key import hash_key
 from gateway.app import create_app
-from gateway.response_store import ResponseLimits, ResponseStore, StoredResponse, join_arrays, parse_ttl
+from gateway.response_store import (
+    ResponseLimits,
+    ResponseStore,
+    StoredResponse,
+    join_arrays,
+    parse_ttl,
+)
 from gateway.settings import GatewaySettings
 
 MODEL = "tiny-llama"
@@ -136,7 +143,7 @@ def test_a_chain_sends_the_previous_items_and_output_verbatim(tmp_path, engine_a
             got = await client.responses.retrieve(second.id)
             assert got.id == second.id and got.output_text == second.output_text
             items = await client.responses.input_items.list(third.id, order="asc")
-            assert [item.type for item in items.data][0] == "message"
+            assert items.data[0].type == "message"
             listed = [item.model_dump(mode="json", exclude_unset=True) for item in items.data]
             assert len(listed) == len(orjson.loads(third_input))
             assert listed[-1]["content"] == "Last one." and listed[0]["content"] == "Hello there."
