@@ -10,6 +10,8 @@ response; with `--replicas 2` every turn of a chain reaches the replica holding 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -67,9 +69,9 @@ class Serve:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0)
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Serve]:
-    serve = Serve(tmp_path)
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    serve = Serve(tmp_path_factory.mktemp("responses-e2e"))
     serve.start()
     try:
         yield serve
@@ -128,9 +130,14 @@ def test_another_tenant_can_neither_read_continue_nor_delete(served: Serve) -> N
 
 def test_an_agents_sdk_agent_with_a_tool_over_five_turns(served: Serve) -> None:
     agents = pytest.importorskip("agents")
-    import asyncio
-
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     calls: list[str] = []
@@ -158,7 +165,7 @@ def test_an_agents_sdk_agent_with_a_tool_over_five_turns(served: Serve) -> None:
     results = asyncio.run(chat())
     assert agents is not None and all(result.last_response_id for result in results)
     responses = [raw for result in results for raw in result.raw_responses]
-    for before, after in zip(responses, responses[1:], strict=False):
+    for before, after in itertools.pairwise(responses):
         carried = before.usage.input_tokens + before.usage.output_tokens
         assert after.usage.input_tokens >= carried
         assert after.usage.input_tokens_details.cached_tokens >= carried - SLACK, (before.usage, after.usage)
