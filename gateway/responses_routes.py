@@ -7,7 +7,8 @@ responses: another tenant's id, an expired, deleted or unknown one are the same
 got for that response (the earlier turns' items and outputs included, as OpenAI
 lists them), newest first unless ``order=asc``, ``limit`` 1-100 (default 20),
 paged with ``after`` (an item id). Items sent without an ``id`` are listed with
-a stable one, ``<response id>_in<index>``. Bad query values are a 400 naming the
+a stable one, ``<response id>_in<index>``, and a message's string content as one
+text part, as OpenAI lists them (the stored bytes are not changed). Bad query values are a 400 naming the
 parameter. Blocking store calls run in a thread.
 """
 
@@ -83,12 +84,17 @@ def _page_params(query: Any) -> tuple[int, str, str | None]:
 
 
 def _with_id(item: Any, fallback: str) -> dict[str, Any]:
+    """An item as OpenAI lists it: an ``id``, and a message's string content as one
+    ``input_text`` (``output_text`` for the assistant) part."""
     if not isinstance(item, dict):
         return {"id": fallback, "value": item}
     item_id = item.get("id")
     result = item if isinstance(item_id, str) and item_id else {"id": fallback, **item}
     if "type" not in result and "role" in result:
         result = {**result, "type": "message"}
+    if result.get("type") == "message" and isinstance(result.get("content"), str):
+        kind = "output_text" if result.get("role") == "assistant" else "input_text"
+        result = {**result, "content": [{"type": kind, "text": result["content"]}]}
     return result
 
 

@@ -106,7 +106,7 @@ def test_a_chain_continues_across_a_restart_with_its_cache(served: Serve) -> Non
     answers.append(turn(client, QUESTIONS[4], answers[-1]))
     assert_cached_from_previous(answers[-2], answers[-1])
     items = client.responses.input_items.list(answers[-1].id, order="asc", limit=100).data
-    user_texts = [item.content for item in items if getattr(item, "role", None) == "user"]
+    user_texts = [item.content[0].text for item in items if getattr(item, "role", None) == "user"]
     assert user_texts == QUESTIONS  # the whole history, in order
     assert client.responses.retrieve(answers[0].id).output_text == answers[0].output_text
 

@@ -146,7 +146,8 @@ def test_a_chain_sends_the_previous_items_and_output_verbatim(tmp_path, engine_a
             assert items.data[0].type == "message"
             listed = [item.model_dump(mode="json", exclude_unset=True) for item in items.data]
             assert len(listed) == len(orjson.loads(third_input))
-            assert listed[-1]["content"] == "Last one." and listed[0]["content"] == "Hello there."
+            assert listed[-1]["content"] == [{"type": "input_text", "text": "Last one."}]
+            assert listed[0]["content"] == [{"type": "input_text", "text": "Hello there."}]
     run(go())
 
 
@@ -179,10 +180,10 @@ def test_input_items_pages(tmp_path, engine_app):
                 whole = (await http.get(f"/v1/responses/{second.id}/input_items")).json()
                 assert whole["object"] == "list" and not whole["has_more"]
                 ids = [item["id"] for item in whole["data"]]
-                assert len(ids) == len(set(ids)) >= 3 and whole["data"][0]["content"] == "Two."  # newest first
+                assert len(ids) == len(set(ids)) >= 3 and whole["data"][0]["content"][0]["text"] == "Two."  # newest
                 page = (await http.get(f"/v1/responses/{second.id}/input_items",
                                        params={"limit": 1, "order": "asc"})).json()
-                assert page["has_more"] and page["data"][0]["content"] == "One."
+                assert page["has_more"] and page["data"][0]["content"][0]["text"] == "One."
                 rest = (await http.get(f"/v1/responses/{second.id}/input_items",
                                        params={"order": "asc", "after": page["last_id"]})).json()
                 assert [item["id"] for item in rest["data"]] == ids[::-1][1:]
