@@ -1,13 +1,16 @@
 """The proxy: one inference request from the client's bytes to the upstream and back.
 
 Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
-take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
+take the client's ``cache_salt`` out -> for Responses, take ``store`` and
+``previous_response_id`` out and load the previous turn (``response_turn.py``)
+-> canonicalize (chat, Responses: the new items only) -> for Responses, put the
+previous turn's stored items and output before the new input -> derive the
 server-side salt -> prefix warnings (chat, within the warner's budget): the
 conversation-history exchange is started, then the upstream call, and the linter
 runs once the request is on the wire, so both overlap the upstream's work (for
 ``reject_on`` tenants the whole check runs before anything is sent) -> await the
-upstream unless the client leaves -> relay, adding warnings -> exactly one stats
-row, whatever happened. Every failure is a
+upstream unless the client leaves -> relay, adding warnings (a completed Responses
+answer is stored first) -> exactly one stats row, whatever happened. Every failure is a
 :class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
 become a 500 and are logged.
 """
