@@ -11,6 +11,7 @@ from gateway.replica_spec import add_routing_options
 EPILOG = """examples:
   prefixgate serve --port 8000 --engine-port 8001
   prefixgate serve --replicas 3 --engine-arg=--kv-cache-memory=0.05   # engines on 8001-8003
+  prefixgate serve --responses-ttl 12h   # keep stored Responses (previous_response_id) 12 hours
   # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
 """
 

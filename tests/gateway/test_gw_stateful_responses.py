@@ -414,3 +414,17 @@ def test_the_row_of_a_continued_turn_is_written(tmp_path, engine_app):
             ("responses", 200), ("responses", 200), ("responses", 400)]
         assert SECRET  # the same secret as every gateway test
     run(go())
+
+
+def test_a_bad_responses_option_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from gw_fakes import free_port
+
+    for option, value in (("--responses-ttl", "3w"), ("--responses-max-turns", "0")):
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--upstream", "http://127.0.0.1:9",
+                               "--data-dir", str(tmp_path), "--port", str(free_port()), option, value],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and option in done.stderr, done.stderr
