@@ -151,6 +151,35 @@ def test_a_chain_sends_the_previous_items_and_output_verbatim(tmp_path, engine_a
     run(go())
 
 
+def test_a_tool_call_and_its_output_chain_byte_for_byte(tmp_path, engine_app):
+    """A generated function call is replayed as the engine wrote it (canonicalization is on,
+    but only new items are canonicalized), followed by the client's function_call_output."""
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+                           "additionalProperties": False}}
+
+    async def go() -> None:
+        async with gateway(make_settings(tmp_path, CONFIG), engine_app) as (app, upstream):
+            client = sdk(app)
+            first = await client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool],
+                                                  tool_choice="required", max_output_tokens=200)
+            calls = [item for item in first.output if item.type == "function_call"]
+            assert calls, first.output
+            call = calls[0]
+            result = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}]
+            second = await client.responses.create(model=MODEL, previous_response_id=first.id, input=result,
+                                                   tools=[tool], max_output_tokens=8)
+            async with raw(app) as http:
+                stored = orjson.loads((await http.get(f"/v1/responses/{first.id}")).content)
+            expected = join_arrays(b'[{"role":"user","content":"Weather in Paris?"}]', orjson.dumps(stored["output"]),
+                                   orjson.dumps(result))
+            assert b'"input":' + expected + b"," in upstream.bodies[1]
+            replayed = orjson.loads(upstream.bodies[1])["input"][1]
+            assert replayed["type"] == "function_call" and replayed["arguments"] == call.arguments
+            assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+    run(go())
+
+
 def test_instructions_are_not_carried_over_unless_resent(tmp_path, engine_app):
     async def go() -> None:
         async with gateway(make_settings(tmp_path, CONFIG), engine_app) as (app, upstream):
