@@ -153,17 +153,23 @@ def test_an_agents_sdk_agent_with_a_tool_over_five_turns(served: Serve) -> None:
                   tools=[get_weather], model=OpenAIResponsesModel(model=MODEL, openai_client=client),
                   model_settings=ModelSettings(temperature=0.0, max_tokens=48))
 
+    # The first turn must call the tool (the SDK then resets tool_choice for the answer):
+    # its function_call and function_call_output items join the chain.
+    calling = agent.clone(model_settings=ModelSettings(temperature=0.0, max_tokens=48, tool_choice="required"))
+
     async def chat() -> list[Any]:
         results, previous = [], None
-        for question in ["What is the weather in Paris?", "And in Oslo?", "Say hello.", "What is 2 + 2?",
-                         "Thank you."]:
-            result = await Runner.run(agent, question, previous_response_id=previous, max_turns=4)
+        for index, question in enumerate(["What is the weather in Paris?", "And in Oslo?", "Say hello.",
+                                          "What is 2 + 2?", "Thank you."]):
+            result = await Runner.run(calling if index == 0 else agent, question, previous_response_id=previous,
+                                      max_turns=4)
             previous = result.last_response_id
             results.append(result)
         return results
 
     results = asyncio.run(chat())
     assert agents is not None and all(result.last_response_id for result in results)
+    assert calls, "the tool was never called"
     responses = [raw for result in results for raw in result.raw_responses]
     for before, after in itertools.pairwise(responses):
         carried = before.usage.input_tokens + before.usage.output_tokens
