@@ -36,6 +36,9 @@ from gateway.prefix_warner import History, PrefixWarner
 from gateway.proxy import PATHS, Proxy
 from gateway.replica_metrics import ReplicaCollector
 from gateway.replicas import ReplicaSet
+from gateway.response_store import ResponseStore
+from gateway.response_turn import ResponseTurns
+from gateway.responses_routes import ResponsesRoutes
 from gateway.settings import GatewaySettings
 from gateway.stall_watchdog import StallWatchdog
 from gateway.stats_report import per_tenant
@@ -107,6 +110,7 @@ class GatewayState:
         self.metrics = GatewayMetrics()
         self.metrics.add_collector(ReplicaCollector(self.replicas))
         self.warner = PrefixWarner(history=history)
+        self.responses = ResponseStore(self.db_engine, settings.responses)
         self.proxy = Proxy(
             replicas=self.replicas,
             authenticator=self.authenticator,
@@ -115,6 +119,7 @@ class GatewayState:
             metrics=self.metrics,
             secret=settings.secret,
             bodies=BodyReader(settings.config.body_limits()),
+            turns=ResponseTurns(self.responses),
         )
 
     async def aclose(self) -> None:
@@ -131,6 +136,7 @@ def create_app(
 ) -> Starlette:
     """The app; ``history`` is the shared conversation history when several workers serve it."""
     state = GatewayState(settings, client, history)
+    stored = ResponsesRoutes(state.responses, state.authenticator)
 
     def inference(endpoint: str) -> Any:
         async def handle(request: Request) -> Response:
@@ -173,6 +179,10 @@ def create_app(
             "tenants": {name: stats.to_dict() for name, stats in groups.items()},
         })
 
+    async def gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc)
+
     async def not_found(request: Request, exc: Exception) -> Response:
         return error_response(NotFound(f"no route for {request.method} {request.url.path}"))
 
@@ -202,10 +212,13 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cache/stats", cache_stats, methods=["GET"]),
+            Route("/v1/responses/{response_id}", stored.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", stored.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", stored.input_items, methods=["GET"]),
             dashboard_route(state),
         ],
         middleware=[Middleware(InferenceRoutes, state=state)],
-        exception_handlers={404: not_found, 405: method_not_allowed},
+        exception_handlers={GatewayError: gateway_error, 404: not_found, 405: method_not_allowed},
         lifespan=lifespan,
     )
     app.state.gateway = state

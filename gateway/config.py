@@ -31,7 +31,7 @@ DEFAULT_BODY_TIMEOUT_S = 120.0
 DEFAULT_BODY_IDLE_TIMEOUT_S = 15.0
 DEFAULT_INPUT_PRICE = 1.0
 DEFAULT_CACHED_INPUT_PRICE = 0.1
-UPSTREAM_KINDS = ("vllm", "openai")
+UPSTREAM_KINDS = ("vllm", "openai", "llamacpp")
 
 
 @dataclass(frozen=True)

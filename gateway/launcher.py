@@ -43,6 +43,15 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="also serve /metrics without a key on 127.0.0.1:PORT, for Prometheus "
                         "(the gateway's own /metrics needs an admin key)")
+    parser.add_argument("--responses-ttl", default="30d", metavar="DURATION",
+                        help="how long stored Responses (store: true, the default) are kept for "
+                        "previous_response_id and GET /v1/responses/{id}: seconds or 90m, 12h, 30d "
+                        "(default 30d, as OpenAI; 0 keeps none)")
+    parser.add_argument("--responses-max-turns", type=_whole, default=1000, metavar="N",
+                        help="longest previous_response_id chain; a longer one is a 400 (default 1000)")
+    parser.add_argument("--responses-max-bytes", type=_whole, default=None, metavar="BYTES",
+                        help="largest input of a continued conversation, in bytes of input items "
+                        "(default: the body limit, [server] max_body_bytes)")
 
 
 def build_settings(args: argparse.Namespace, upstream: str | None,
@@ -51,6 +60,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
 
     ``replicas`` (several ``--upstream``) win over the config's ``[[upstreams]]``."""
     from gateway.database import default_db_url
+    from gateway.response_store import ResponseLimits, parse_ttl
     from gateway.salt import exposed_secret_warning, load_or_create_secret, secret_files
     from gateway.upstream import normalize_base_url
 
@@ -62,6 +72,8 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
     data_dir = args.data_dir or default_data_dir()
     secret = load_or_create_secret(data_dir, config.secret)
     exposed = (exposed_secret_warning(path) for path in secret_files(data_dir, args.config, config.secret))
+    responses = ResponseLimits(parse_ttl(args.responses_ttl), args.responses_max_turns,
+                               args.responses_max_bytes or config.max_body_bytes)
     return GatewaySettings(
         upstream=normalize_base_url(upstream),
         secret=secret,
@@ -73,6 +85,7 @@ def build_settings(args: argparse.Namespace, upstream: str | None,
         replicas=tuple(replicas),
         routing=routing_from_args(args, config.routing),
         metrics_port=args.metrics_port,
+        responses=responses,
     )
 
 
@@ -131,6 +144,12 @@ def run_gateway(
     settle_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
     return 0
+
+
+def _whole(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def fail(message: str) -> int:

@@ -1,14 +1,18 @@
 """The proxy: one inference request from the client's bytes to the upstream and back.
 
 Flow (``Proxy.handle``): authenticate -> read the bounded body -> validate ->
-take the client's ``cache_salt`` out -> canonicalize (chat) -> derive the
-server-side salt and encode the upstream body (these grow with the body: past
-``LOOP_MAX_BODY_BYTES`` on a thread, not on the event loop) -> prefix warnings (chat, within the warner's budget): the
+take the client's ``cache_salt`` out -> for Responses, take ``store`` and
+``previous_response_id`` out and load the previous turn (``response_turn.py``)
+-> canonicalize (chat, Responses: the new items only) -> for Responses, put the
+previous turn's stored items and output before the new input -> derive the
+server-side salt and encode the upstream body (parsing, canonicalizing and
+encoding grow with the body: past ``LOOP_MAX_BODY_BYTES`` they run on a thread,
+not on the event loop) -> prefix warnings (chat, within the warner's budget): the
 conversation-history exchange is started, then the upstream call, and the linter
 runs once the request is on the wire, so both overlap the upstream's work (for
 ``reject_on`` tenants the whole check runs before anything is sent) -> await the
-upstream unless the client leaves -> relay, adding warnings -> exactly one stats
-row, whatever happened. Every failure is a
+upstream unless the client leaves -> relay, adding warnings (a completed Responses
+answer is stored first) -> exactly one stats row, whatever happened. Every failure is a
 :class:`GatewayError` rendered at the end of ``handle``; unexpected exceptions
 become a 500 and are logged.
 """
@@ -37,10 +41,11 @@ from gateway.relay_stream import RelayResponse, RelayStream
 from gateway.replicas import ReplicaSet
 from gateway.request_body import ClientGone, parse_body, read_body
 from gateway.request_record import RequestRecord
+from gateway.response_turn import ResponseTurn, ResponseTurns
 from gateway.responses_body import canonical_chat_view, canonicalize_responses, chat_view
 from gateway.sse_relay import SseRelay
 from gateway.stats_writer import StatsWriter
-from gateway.upstream_kind import scoped_body
+from gateway.upstream_kind import openai_usage, scoped_body
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,7 @@ class Proxy:
         metrics: GatewayMetrics,
         secret: bytes,
         bodies: BodyReader,
+        turns: ResponseTurns,
     ) -> None:
         self.replicas = replicas
         self.authenticator = authenticator
@@ -72,6 +78,7 @@ class Proxy:
         self.metrics = metrics
         self.secret = secret
         self.bodies = bodies
+        self.turns = turns
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         record = RequestRecord(endpoint=endpoint, upstream=self.replicas.primary.base_url)
@@ -103,24 +110,27 @@ class Proxy:
         self.writer.submit(record)
         self.metrics.observe(record)
 
-    def _prepare(self, raw: bytes, tenant: Tenant, record: RequestRecord) -> _Prepared:
-        """Parse, canonicalize and scope one body, and encode what goes upstream. The first
+    def _prepare(self, body: dict[str, Any], tenant: Tenant, record: RequestRecord,
+                 turn: ResponseTurn | None) -> _Prepared:
+        """Canonicalize and scope one parsed body, and encode what goes upstream. The first
         two items are what the prefix check sees: the body as sent (without its
         ``cache_salt``) and the canonical body, as chat requests (a Responses body's
-        :func:`chat_view`; the canonical one in the chat canonical form)."""
-        body = parse_body(raw, record.endpoint)
+        :func:`chat_view`, with the previous turn's items before the new input; the
+        canonical one in the chat canonical form)."""
         record.model = body["model"]
         record.stream = bool(body.get("stream"))
         client_salt = body.pop("cache_salt", None)
         original = body
         if record.endpoint == "chat.completions":
             body, record.canonicalization = canonicalize(body, tenant.canonicalize)
-        elif record.endpoint == "responses":
+        elif turn is not None:  # stateful Responses: the previous turn's items before the new input
             body, record.canonicalization = canonicalize_responses(body, tenant.canonicalize)
+            original, body = turn.joined(original), turn.expand(body)
         upstream_body, strip_usage = self._upstream_body(body, tenant, client_salt, record)
+        content = turn.content(upstream_body) if turn is not None else orjson.dumps(upstream_body)
         if record.endpoint == "responses" and tenant.warnings:  # warned about as the chat request it stands for
             original, body = chat_view(original) or {}, canonical_chat_view(body, tenant.canonicalize) or {}
-        return original, body, upstream_body, strip_usage, orjson.dumps(upstream_body)
+        return original, body, upstream_body, strip_usage, content
 
     async def _handle(self, request: Request, record: RequestRecord, lease: BodyLease) -> Response:
         tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
@@ -128,10 +138,12 @@ class Proxy:
         raw = await read_body(request, self.bodies, lease)
         # Work that grows with the body stays off the event loop past a small size (in a
         # thread the loop still gets the GIL back every switch interval between Python steps).
-        if len(raw) <= LOOP_MAX_BODY_BYTES:
-            prepared = self._prepare(raw, tenant, record)
-        else:
-            prepared = await anyio.to_thread.run_sync(self._prepare, raw, tenant, record)
+        on_thread = len(raw) > LOOP_MAX_BODY_BYTES
+        body = (await anyio.to_thread.run_sync(parse_body, raw, record.endpoint) if on_thread
+                else parse_body(raw, record.endpoint))
+        turn = await self.turns.begin(tenant.name, body) if record.endpoint == "responses" else None
+        prepared = (await anyio.to_thread.run_sync(self._prepare, body, tenant, record, turn) if on_thread
+                    else self._prepare(body, tenant, record, turn))
         original, body, upstream_body, strip_usage, content = prepared
 
         async def check(lint_after: asyncio.Future[None] | None = None) -> list[PrefixWarning]:
@@ -194,8 +206,26 @@ class Proxy:
         if record.stream:
             stack.callback(lease.release)  # the upstream request (and its body) lives as long as the stream
             relay = SseRelay(record, strip_usage=strip_usage, warnings=warning_dicts)
-            return RelayResponse(RelayStream(stack, result, relay, record, self._record), headers)
-        return self._complete(record, result, warning_dicts, headers)
+            on_response = None if turn is None else self._saver(turn)
+            return RelayResponse(RelayStream(stack, result, relay, record, self._record, on_response), headers)
+        patch: dict[str, Any] = {}
+        if turn is not None:
+            await self._saver(turn)(result[0])
+            patch.update(turn.response_fields())
+        usage = openai_usage(self.replicas.kind, result[0])
+        if usage is not None:
+            patch["usage"] = usage
+        return self._complete(record, result, warning_dicts, headers, patch)
+
+    def _saver(self, turn: ResponseTurn) -> Callable[[Any], Awaitable[object]]:
+        """Stores a turn's completed response; a storage failure is a 500 (logged)."""
+        async def save(response: Any) -> object:
+            try:
+                return await self.turns.save(turn, response)
+            except Exception:
+                log.exception("could not store a response")
+                raise GatewayError("the gateway could not store the response", code="response_store_failed") from None
+        return save
 
     def _upstream_body(
         self, body: dict[str, Any], tenant: Tenant, client_salt: str | None, record: RequestRecord
@@ -235,12 +265,16 @@ class Proxy:
         result: tuple[dict[str, Any], bytes],
         warnings: list[dict[str, Any]],
         headers: dict[str, str],
+        patch: dict[str, Any],
     ) -> Response:
+        """``patch``: top-level fields replacing the upstream's (Responses storage, mapped usage)."""
         parsed, content = result
         record.mark_first_byte()
+        parsed.update(patch)
         record.take_usage(parsed.get("usage"))
         if warnings:
             parsed["prefix_warnings"] = warnings
+        if warnings or patch:
             content = orjson.dumps(parsed)
         record.finish(200)
         self._record(record)

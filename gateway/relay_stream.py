@@ -11,7 +11,8 @@ events were sent to the client.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -32,12 +33,16 @@ class RelayStream:
         relay: SseRelay,
         record: RequestRecord,
         on_finish: Callable[[RequestRecord], None],
+        on_response: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
     ) -> None:
+        """``on_response``: awaited with a Responses stream's final response object
+        before the events carrying it go to the client (``response_turn`` stores it)."""
         self.stack = stack
         self.chunks = chunks
         self.relay = relay
         self.record = record
         self.on_finish = on_finish
+        self.on_response = on_response
         self._status: int = CLIENT_CLOSED
         self._code: str | None = "client_disconnected"
         self._closed = False
@@ -46,10 +51,12 @@ class RelayStream:
         try:
             async for chunk in self.chunks:
                 events = self.relay.feed(chunk)
+                await self._settle()
                 if events:  # the events of one upstream read go out in one write
                     yield b"".join(events)
                 self.relay.raise_failure()  # a malformed upstream event ends the stream
             tail = self.relay.finish()
+            await self._settle()
             if tail:
                 yield b"".join(tail)
             self.relay.raise_failure()
@@ -65,6 +72,11 @@ class RelayStream:
             yield b"".join(self.relay.error_events(error))
         finally:
             await self.close()
+
+    async def _settle(self) -> None:
+        response, self.relay.final_response = self.relay.final_response, None
+        if response is not None and self.on_response is not None and self.relay.failure is None:
+            await self.on_response(response)
 
     async def close(self) -> None:
         if self._closed:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 from gateway.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.response_store import ResponseLimits
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class GatewaySettings:
     routing: RoutingOptions = field(default_factory=RoutingOptions)
     startup_warnings: tuple[str, ...] = ()  # logged once at start (e.g. a secret file others can read)
     metrics_port: int | None = None  # unauthenticated /metrics on 127.0.0.1 (metrics.MetricsListener)
+    responses: ResponseLimits = field(default_factory=ResponseLimits)  # the Responses state API
 
     def replica_specs(self) -> tuple[ReplicaSpec, ...]:
         return self.replicas or (ReplicaSpec(self.upstream, "r0"),)

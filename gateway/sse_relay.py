@@ -64,6 +64,7 @@ class SseRelay:
         self.ended_by: GatewayError | None = None  # a Responses error event that ended the stream
         self.responses = record.endpoint == "responses"
         self._next_sequence = 0
+        self.final_response: dict[str, Any] | None = None  # a Responses stream's completed response
         self._buffer = b""
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -155,6 +156,8 @@ class SseRelay:
             self.record.take_usage(response["usage"])  # a Responses event: relayed as sent
             if chunk.get("type") in RESPONSES_END:  # a Responses stream has no [DONE]
                 self.saw_done = True
+                if chunk["type"] != "response.failed":
+                    self.final_response = response
             return [event]
         choices = chunk.get("choices")
         is_usage_chunk = isinstance(usage, dict) and choices == []

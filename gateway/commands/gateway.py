@@ -15,6 +15,7 @@ EPILOG = """examples:
                      --upstream http://127.0.0.1:8002,events=tcp://127.0.0.1:5567   # see docs/routing.md
   # then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="<tenant key>")
   OPENAI_API_KEY=sk-... prefixgate gateway --upstream https://api.openai.com/v1 --upstream-kind openai
+  prefixgate gateway --upstream http://127.0.0.1:8080 --upstream-kind llamacpp --allow-shared-cache
 """
 
 
@@ -31,9 +32,16 @@ def add_parser(subparsers: Any) -> None:
                         help="upstream base URL, e.g. http://127.0.0.1:8001; repeat it for several replicas, "
                         "optionally with ,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT]")
     parser.add_argument(
-        "--upstream-kind", choices=["vllm", "openai"], default=None,
+        "--upstream-kind", choices=["vllm", "openai", "llamacpp"], default=None,
         help="vllm: send cache_salt (vLLM, SGLang, prefixgate engine); openai: send a derived "
-        "prompt_cache_key instead (OpenAI's API). Default: openai for api.openai.com, else vllm",
+        "prompt_cache_key instead (OpenAI's API); llamacpp: llama.cpp's llama-server, which ignores "
+        "cache_salt (see --allow-shared-cache). Default: openai for api.openai.com, else vllm",
+    )
+    parser.add_argument(
+        "--allow-shared-cache", action="store_true",
+        help="start in front of an upstream that cannot isolate tenants (--upstream-kind llamacpp) "
+        "even though tenants ask for isolation: ALL TENANTS THEN SHARE ITS PROMPT CACHE "
+        "(one tenant's timing can reveal another's prompts)",
     )
     parser.add_argument(
         "--workers", type=_positive, default=None,
@@ -46,14 +54,15 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import dataclasses
+    import logging
     import os
 
-    from gateway.launcher import build_settings, fail, run_gateway
+    from gateway.launcher import build_settings, configure_logging, fail, run_gateway
     from gateway.metrics import METRICS_HOST
     from gateway.ports import ensure_free
     from gateway.replica_spec import parse_upstream_arg
     from gateway.supervisor import default_workers
-    from gateway.upstream_kind import API_KEY_ENV, resolve_kind
+    from gateway.upstream_kind import API_KEY_ENV, check_isolation, resolve_kind
 
     try:
         ensure_free(args.host, args.port, "gateway")
@@ -65,8 +74,17 @@ def run(args: argparse.Namespace) -> int:
         api_key = os.environ.get(API_KEY_ENV) or (os.environ.get("OPENAI_API_KEY") if kind == "openai" else None)
         if kind == "openai" and not api_key:
             raise ValueError(f"--upstream-kind openai needs an API key: set OPENAI_API_KEY or {API_KEY_ENV}")
+        problem = check_isolation(kind, settings.config.tenants.values(), settings.open_mode, args.allow_shared_cache)
+        if problem is not None:
+            raise ValueError(problem)
     except ValueError as exc:
         return fail(str(exc))
+    if args.allow_shared_cache and check_isolation(kind, settings.config.tenants.values(), settings.open_mode,
+                                                   False) is not None:
+        configure_logging(args.log_level)
+        logging.getLogger("prefixgate.gateway").warning(
+            "--allow-shared-cache: upstream kind %s cannot isolate tenants; ALL TENANTS SHARE ITS PROMPT CACHE",
+            kind)
     settings = dataclasses.replace(settings, upstream_kind=kind, upstream_api_key=api_key)
     workers = args.workers if args.workers is not None else default_workers()
     # uvicorn shuts down gracefully, then re-raises SIGINT as KeyboardInterrupt.

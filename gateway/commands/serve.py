@@ -13,6 +13,7 @@ EPILOG = """examples:
   prefixgate serve --replicas 3 --engine-arg=--kv-cache-memory=0.05   # engines on 8001-8003
   prefixgate serve --kv-offload-dir ~/.cache/prefixgate/kv --kv-offload-size 20   # warm after a restart
   prefixgate serve --metrics-port 9100   # Prometheus scrapes 127.0.0.1:9100/metrics without a key
+  prefixgate serve --responses-ttl 12h   # keep stored Responses (previous_response_id) 12 hours
   # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="anything") in open mode
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
+import gateway.response_store  # noqa: F401  (registers stored_response in the metadata)
 from gateway.database import create_db_engine
 from gateway.stats_table import metadata
 

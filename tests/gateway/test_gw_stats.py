@@ -19,6 +19,8 @@ from gateway.request_record import RequestRecord
 from gateway.stats_report import per_tenant_model_hour
 from gateway.stats_writer import StatsWriter
 
+HEAD = "2026_11_24_stored_responses"
+
 CONFIG = {"tenants": {"alpha": {"keys": [hash_key("a")]}, "beta": {"keys": [hash_key("b")]}}}
 
 
@@ -80,7 +82,7 @@ def test_writer_batches_and_drains_on_close(tmp_path):
 def test_migrations_upgrade_downgrade_upgrade(tmp_path):
     url = database.default_db_url(tmp_path)
     database.upgrade(url)
-    assert database.current_revision(url) == "2026_11_23_replica_routing"
+    assert database.current_revision(url) == HEAD
     engine = database.create_db_engine(url)
     columns = {c["name"] for c in inspect(engine).get_columns("request_log")}
     assert {"time", "tenant", "model", "upstream", "status", "prompt_tokens", "cached_tokens",
@@ -89,10 +91,10 @@ def test_migrations_upgrade_downgrade_upgrade(tmp_path):
     database.downgrade(url, "base")
     assert database.current_revision(url) is None
     engine = database.create_db_engine(url)
-    assert "request_log" not in inspect(engine).get_table_names()
+    assert not {"request_log", "stored_response"} & set(inspect(engine).get_table_names())
     engine.dispose()
     database.upgrade(url)
-    assert database.current_revision(url) == "2026_11_23_replica_routing"
+    assert database.current_revision(url) == HEAD
 
 
 def test_cli_db_and_stats(tmp_path):
@@ -100,7 +102,7 @@ def test_cli_db_and_stats(tmp_path):
     cli = [sys.executable, "-m", "gateway.cli"]
     done = subprocess.run([*cli, "db", "upgrade", "--data-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 0 and "2026_11_23_replica_routing" in done.stdout, done.stderr
+    assert done.returncode == 0 and HEAD in done.stdout, done.stderr
     engine = database.create_db_engine(url)
     writer = StatsWriter(engine)
     for tenant, prompt, cached in [("alpha", 100, 64), ("alpha", 100, 96), ("beta", 50, None)]:
@@ -128,6 +130,7 @@ def test_table_definition_matches_the_migrations(tmp_path):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
+    import gateway.response_store  # noqa: F401  (its table joins the metadata)
     from gateway.stats_table import metadata
 
     url = database.default_db_url(tmp_path)
