@@ -163,7 +163,8 @@ class Route:
         watchdog = self.replicas.watchdog
         while True:
             try:
-                return await watchdog.wait(replica, replica.upstream.post(path, content, mark), self.deadline)
+                answer = replica.upstream.post(path, content, mark, self.record.tenant)
+                return await watchdog.wait(replica, answer, self.deadline)
             except GatewayError as error:
                 if not self._retry_after(error, mark.sent):
                     raise
@@ -178,8 +179,8 @@ class Route:
         while True:
             stack = contextlib.AsyncExitStack()
             try:
-                chunks = await watchdog.wait(
-                    replica, stack.enter_async_context(replica.upstream.stream(path, content, mark)), self.deadline)
+                opened = stack.enter_async_context(replica.upstream.stream(path, content, mark, self.record.tenant))
+                chunks = await watchdog.wait(replica, opened, self.deadline)
             except GatewayError as error:
                 await stack.aclose()
                 if not self._retry_after(error, mark.sent):

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
+from engine.server.body_reader import TENANT_HEADER
 from gateway.errors import (
     GatewayError,
     UpstreamError,
@@ -34,6 +35,7 @@ from gateway.errors import (
 
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+TENANT_HEADER_BYTES = TENANT_HEADER.encode()
 SENT_EVENT = "http11.send_request_body.complete"
 
 
@@ -139,9 +141,15 @@ class Upstream:
         self._transport = _transport_of(client, httpx.URL(self.base_url))
 
     async def _send(
-        self, path: str, content: bytes, headers: list[tuple[bytes, bytes]], on_sent: Callable[[], None] | None
+        self, path: str, content: bytes, headers: list[tuple[bytes, bytes]], on_sent: Callable[[], None] | None,
+        tenant: str | None,
     ) -> httpx.Response:
         """POST ``content`` through the client's transport; the response, its body not read yet.
+
+        A ``vllm``-kind upstream (the engine, vLLM) is told the tenant in
+        ``x-prefixgate-tenant``: the engine shares prefill fairly between tenants and
+        budgets their bodies by it (the isolation is the salt's, not this header's).
+        Other kinds never see it.
 
         The inference hot path skips ``AsyncClient.send``: its URL merging, header
         re-encoding, cookie jar and logging cost more CPU than the whole exchange on the
@@ -154,20 +162,22 @@ class Upstream:
         extensions: dict[str, Any] = {"timeout": self.client.timeout.as_dict()}
         if on_sent is not None:
             extensions["trace"] = _Trace(on_sent)
+        if tenant is not None and self.kind == "vllm":
+            headers = [*headers, (TENANT_HEADER_BYTES, tenant.encode())]
         request = httpx.Request("POST", url, headers=headers, content=content, extensions=extensions)
         response = await self._transport.handle_async_request(request)
         response.request = request
         return response
 
     async def post(
-        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
+        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None, tenant: str | None = None
     ) -> tuple[dict[str, Any], bytes]:
         """POST JSON; the parsed 2xx body and its raw bytes, or a gateway error.
 
         ``on_sent`` is called when the request has been written (HTTP/1.1 transports).
         """
         try:
-            response = await self._send(path, content, self._json_headers, on_sent)
+            response = await self._send(path, content, self._json_headers, on_sent, tenant)
             try:
                 body = await response.aread()
             finally:
@@ -201,7 +211,7 @@ class Upstream:
 
     @asynccontextmanager
     async def stream(
-        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None
+        self, path: str, content: bytes, on_sent: Callable[[], None] | None = None, tenant: str | None = None
     ) -> AsyncIterator[AsyncIterator[bytes]]:
         """POST and yield the upstream body as an iterator of byte chunks.
 
@@ -210,7 +220,7 @@ class Upstream:
         Leaving the context closes the upstream response (cancelling it).
         """
         try:
-            response = await self._send(path, content, self._sse_headers, on_sent)
+            response = await self._send(path, content, self._sse_headers, on_sent, tenant)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         try:
