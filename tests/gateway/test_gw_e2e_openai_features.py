@@ -241,16 +241,6 @@ def test_responses_json_schema_format(server):
     City.model_validate_json(response.output_text)
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
-])
-def test_responses_stateful_features_are_a_clear_400(server, kwargs, param):
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk(server).responses.create(model=MODEL, input="hi", **kwargs)
-    assert info.value.body["param"] == param and "input" in info.value.body["message"]
-
-
 def test_a_schema_the_library_cannot_compile_is_a_400_naming_it(server):
     response = httpx.post(server[0] + "/v1/chat/completions", timeout=60,
                           headers={"authorization": f"Bearer {KEYS['features']}"},

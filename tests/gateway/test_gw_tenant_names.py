@@ -13,6 +13,7 @@ import pytest
 
 from gateway.authenticator import Authenticator
 from gateway.cli import main
+from gateway.commands import gateway as gateway_command
 from gateway.config import NAME_PATTERN, GatewayConfig
 from gateway.launcher import build_settings
 from gateway.tenant_names import LABEL_HEX, label_of_key, labels, open_tenant_id
@@ -79,8 +80,10 @@ def test_keys_create_warns_about_a_readable_config_holding_the_secret(tmp_path, 
 
 
 def _args(tmp_path, config) -> argparse.Namespace:
-    return argparse.Namespace(config=config, data_dir=tmp_path / "data", db_url=None, router=None,
-                              load_factor=None, strategy=None)
+    """``prefixgate gateway --config CONFIG --data-dir DATA`` as its own parser reads it."""
+    parser = argparse.ArgumentParser()
+    gateway_command.add_parser(parser.add_subparsers())
+    return parser.parse_args(["gateway", "--config", str(config), "--data-dir", str(tmp_path / "data")])
 
 
 @pytest.mark.parametrize("where", ["config", "data_dir"])

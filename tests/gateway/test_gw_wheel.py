@@ -75,8 +75,9 @@ def run(bindir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 def test_the_wheel_is_imported_from_site_packages_without_torch(installed, tmp_path):
     code = "import sys, gateway.app; print(gateway.app.__file__); print('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([str(installed / "python"), "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+                          timeout=120, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     where, torch_loaded = done.stdout.split()
     assert "site-packages" in where and not where.startswith(str(ROOT))
