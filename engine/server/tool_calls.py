@@ -178,7 +178,10 @@ def _parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
 
 
 def render_call(call: dict[str, Any]) -> str:
-    """An assistant message's tool call, written back in the convention above."""
+    """An assistant message's tool call, written back in the convention above: ``name``
+    then ``arguments``, the arguments' members in their order, ``json.dumps``'s default
+    spacing. A call the model wrote in the convention thus renders as the very tokens it
+    generated, and the next turn's prompt continues the cached prefix through it."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict):
         return json.dumps(call, ensure_ascii=False, sort_keys=True)
@@ -187,7 +190,7 @@ def render_call(call: dict[str, Any]) -> str:
         with contextlib.suppress(ValueError):
             args = json.loads(args)
     body = {"name": fn.get("name"), "arguments": args}
-    return CALL_OPEN + json.dumps(body, ensure_ascii=False, sort_keys=True) + CALL_CLOSE
+    return CALL_OPEN + json.dumps(body, ensure_ascii=False) + CALL_CLOSE
 
 
 class ToolCallStream:

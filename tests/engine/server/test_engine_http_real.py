@@ -135,3 +135,26 @@ def test_a_tool_call_cut_by_max_tokens_never_leaks_markup_on_the_real_model(clie
         streamed_calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
         assert not whole.message.content and not streamed, (limit, whole.message.content, streamed)
         assert whole.finish_reason == "length" and not whole.message.tool_calls and not streamed_calls
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_generated_tool_call_sent_back_keeps_the_whole_turn_cached(client, real_engine, choice):
+    """The assistant message holding a call the model wrote renders as the tokens it
+    generated, so the next request (the call and its result appended) reuses every
+    full block of the previous prompt and output: the call is written back in the
+    convention's order (name, then arguments as the model wrote them), not re-sorted."""
+    bs = real_engine.block_size
+    question = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "My washing machine is broken, book a repair for Monday."}]
+    base = {"model": real_engine.model_id, "temperature": 0, "tools": [REPAIR_TOOL], "tool_choice": choice,
+            "max_tokens": 80, "extra_body": {"cache_salt": f"tool-turns-{choice}"}}
+    first = client.chat.completions.create(messages=question, **base)
+    message = first.choices[0].message
+    if choice == "auto" and not message.tool_calls:
+        pytest.skip("the model answered without a call")
+    assert first.choices[0].finish_reason == "tool_calls"
+    replay = [*question, message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Booked for Monday 9:00."}]
+    second = client.chat.completions.create(messages=replay, **{**base, "tool_choice": "none"})
+    carried = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= (carried // bs - 1) * bs, (first.usage, second.usage)

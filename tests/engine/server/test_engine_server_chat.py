@@ -141,7 +141,7 @@ def test_tools_are_written_into_the_system_message_when_the_template_ignores_the
     assert '"name": "get_weather"' in lines[3] and '"name": "get_time"' in lines[4]
     assert lines[-1] == CALL_INSTRUCTIONS
     assert "tool_calls" not in conv[2]
-    assert conv[2]["content"] == '<tool_call>{"arguments": null, "name": "get_time"}</tool_call>'
+    assert conv[2]["content"] == '<tool_call>{"name": "get_time", "arguments": null}</tool_call>'
 
 
 def test_inlined_tools_change_the_prompt_and_their_order_matters():
