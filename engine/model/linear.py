@@ -1,69 +1,107 @@
-"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied with the same bits.
+"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied in fixed row tiles.
 
-A bfloat16 ``F.linear`` on CPU hands the weight to oneDNN, which re-lays it out
-into its blocked format on every call. For the small row counts of decoding this
-reorder costs as much as the product itself: measured on the bundled model (2
-threads, all 210 projections, bfloat16), 24-26 ms per forward at 8 rows with
-``F.linear`` against 16-19 ms with the weights packed once; 12-16 ms against 8 ms
-for the LM head at 4-8 rows.
+Two jobs, one class:
 
-oneDNN's packed product computes the same bits as ``F.linear``'s (checked at
-construction on a probe, and by the tests over every shape of the model), so
-nothing downstream changes: outputs still equal transformers' forward, and a
-row's result still does not depend on how many rows the call has (the batch
-invariance that :mod:`engine.model.runner` relies on). Where the check fails, or
-for another dtype (float32 ``F.linear`` runs MKL, whose bits differ from
-oneDNN's), or where oneDNN has no bfloat16 kernels, the weight is used as is.
+* **Speed.** A bfloat16 ``F.linear`` on CPU hands the weight to oneDNN, which
+  re-lays it out into its blocked format on every call. For the small row counts of
+  decoding this reorder costs as much as the product itself: measured on the bundled
+  model (2 threads, all 210 projections, bfloat16), 24-26 ms per forward at 8 rows
+  with ``F.linear`` against 16-19 ms with the weights packed once; 12-16 ms against
+  8 ms for the LM head at 4-8 rows. float32 is packed the same way.
+
+* **Batch invariance.** A row's result must not depend on how many rows share the
+  call (:mod:`engine.model.runner` relies on it: batched equals one at a time, a
+  prefill chunk's K/V equal a decode's). CPU GEMMs choose their blocking by the row
+  count, and some choices sum a row's products in another order. Measured on a Xeon
+  with AMX (oneDNN's ``brg_matmul:avx10_1_512_amx``, the same kernel name at every
+  count): bfloat16 rows of a call of 1-32 rows all get the same bits, but a call of
+  33 or more rows rounds some of them differently; float32 through MKL
+  (``F.linear``) changes between 4, 8-12 and 16+ rows, while oneDNN's float32 kernel
+  gives the same bits at 2-640 rows. So the product runs on tiles of at most
+  :data:`ROW_TILE` rows (one kernel call per tile), and a row's bits depend only on
+  the row and the weight. Callers pass a multiple of
+  :data:`~engine.model.attention.ROW_MULTIPLE` rows (the runner pads), so every tile
+  has 4-32 rows (oneDNN's float32 kernel rounds a lone row differently).
+  :func:`row_invariant` checks this at construction on a probe; where the packed
+  product fails it, ``F.linear`` is tried; where both fail a warning is logged.
+
+The price of tiling: a prefill calls the kernel once per 32 rows, reading the weight
+each time, and AMX's wide-row blocking is not used (see ARCHITECTURE.md, "Exactness",
+for the measured cost). In bfloat16 a tile's bits are ``F.linear``'s on the same rows.
 
 Memory: a packed weight is a second copy of the matrix (the transformers modules
-keep theirs for the generic forward), so bfloat16 serving holds the projections
-twice: about 210 MB more for the bundled 135M model.
+keep theirs for the generic forward): about 210 MB more for the bundled 135M model
+in bfloat16.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-_PROBE_ROWS = (1, 4, 12)
+logger = logging.getLogger(__name__)
+
+ROW_TILE = 32
+"""Most rows per kernel call: at 1-32 rows the measured kernels give a row the same
+bits whatever the count (a multiple of 4)."""
+_PROBE_ROWS = (4, 8, 12, 20, 28)
 
 
 def _packing_available(dtype: torch.dtype) -> bool:
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear:
-    """``x @ weight.T`` (no bias) for ``x`` ``[rows, in]``: oneDNN-packed where that
-    gives ``F.linear``'s bits, else ``F.linear``. Never changes ``weight``."""
+    """``x @ weight.T`` (no bias) for ``x`` ``[rows, in]``, computed in tiles of at most
+    :data:`ROW_TILE` rows: oneDNN-packed where that is row-invariant, else ``F.linear``.
+    Never changes ``weight``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.packed: torch.Tensor | None = None
         if _packing_available(weight.dtype):
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            if _same_bits(weight, packed):
-                self.packed = packed
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            if not row_invariant(self._product, weight):
+                self.packed = None
+        if self.packed is None and not row_invariant(self._product, weight):
+            logger.warning(
+                "a %s x %s %s product's row bits depend on the row count on this CPU: "
+                "batched outputs may differ from one-at-a-time ones",
+                *weight.shape, weight.dtype,
+            )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= ROW_TILE:
+            return self._product(x)
+        return torch.cat([self._product(x[k : k + ROW_TILE]) for k in range(0, rows, ROW_TILE)])
 
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
 
 
-def _same_bits(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+def row_invariant(product: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> bool:
+    """True when ``product`` gives every row of a probe the same bits in a call of
+    :data:`ROW_TILE` rows as in calls of fewer rows (multiples of 4), at any offset."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
+        x = torch.randn((ROW_TILE, weight.shape[1]), generator=generator).to(weight.dtype)
+        full = product(x)
         for rows in _PROBE_ROWS:
-            x = torch.randn((rows, weight.shape[1]), generator=generator).to(weight.dtype)
-            ours = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            if not torch.equal(ours, F.linear(x, weight)):
+            offset = ROW_TILE - rows
+            if not torch.equal(product(x[:rows]), full[:rows]):
+                return False
+            if not torch.equal(product(x[offset:]), full[offset:]):
                 return False
     return True

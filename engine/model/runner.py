@@ -14,9 +14,11 @@ out with fused projections) and the model's own transformers module graph with
 architecture whose attention is plain causal attention).
 
 Batch invariance: a CPU matrix product's row results depend on how many rows it
-has (measured: 1, 2 or 3 rows round differently from 4 or more in float32), so the
-flattened batch and the rows whose logits are computed are padded to a multiple
-of :data:`~engine.model.attention.ROW_MULTIPLE`. Attention is computed per
+has (oneDNN's float32 kernel rounds a lone row differently; AMX bfloat16 and MKL
+float32 kernels change their blocking with the count), so the flattened batch and
+the rows whose logits are computed are padded to a multiple of
+:data:`~engine.model.attention.ROW_MULTIPLE`, and the projections run in tiles of at
+most :data:`~engine.model.linear.ROW_TILE` rows (:mod:`engine.model.linear`). Attention is computed per
 sequence (prefill chunks) or per group of single-token sequences with equally long
 block tables (decodes), with the same per-sequence shapes either way, so a token
 gets the same bits alone, in any batch, cached or not.
