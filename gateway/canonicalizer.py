@@ -15,8 +15,10 @@ reported by name, in this order:
 
 - ``tools.keys_sorted``: order-free object keys of each tool sorted recursively
   (a tool's envelope, its schema keywords; ``properties`` members keep their order);
-- ``tools.ordered_by_name``: tools ordered by ``function.name`` (only when every tool
-  has a string name; a stable sort keeps duplicates in their order);
+- ``tools.ordered_by_name`` (opt-in, switch ``tool_order``): tools ordered by
+  ``function.name`` (only when every tool has a string name; a stable sort keeps
+  duplicates in their order). The model reads the tools in the order given: on the
+  bundled model this changed a temperature-0 answer, so it is off by default;
 - ``response_format.keys_sorted``: order-free keys of ``response_format`` sorted
   recursively, as for tools;
 - ``tool_calls.arguments_canonical``: assistant ``tool_calls[].function.arguments``
@@ -256,7 +258,7 @@ def drop_auto_image_detail(body: Body) -> bool:
 
 STEPS: tuple[tuple[str, str, Callable[[Body], bool]], ...] = (
     ("tools", "tools.keys_sorted", sort_tool_keys),
-    ("tools", "tools.ordered_by_name", order_tools_by_name),
+    ("tool_order", "tools.ordered_by_name", order_tools_by_name),
     ("response_format", "response_format.keys_sorted", sort_response_format_keys),
     ("tool_call_arguments", "tool_calls.arguments_canonical", canonicalize_tool_call_arguments),
     ("tool_result_order", "tool_results.reordered", reorder_tool_results),

@@ -39,12 +39,14 @@ class CanonicalizeSwitches:
     """Which canonicalization steps a tenant gets.
 
     On by default: the steps that cannot change an answer (docs/gateway.md, "Canonicalization").
-    ``tool_result_order`` is off by default: it reorders messages, and the model reads
-    them in the order given (on the bundled model it changed a temperature-0 answer).
+    ``tool_order`` and ``tool_result_order`` are off by default: they reorder the tools
+    and the messages, which the model reads in the order given (on the bundled model
+    each changed a temperature-0 answer).
     ``canonicalize = true`` means these defaults, ``false`` turns every step off.
     """
 
     tools: bool = True
+    tool_order: bool = False
     response_format: bool = True
     tool_call_arguments: bool = True
     tool_result_order: bool = False

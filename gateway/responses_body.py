@@ -88,7 +88,7 @@ def _canonical_call_arguments(body: Body) -> bool:
 
 STEPS = (
     ("tools", "tools.keys_sorted", sort_tool_keys),
-    ("tools", "tools.ordered_by_name", _order_flat_tools),
+    ("tool_order", "tools.ordered_by_name", _order_flat_tools),
     ("response_format", "response_format.keys_sorted", _sort_format_keys),
     ("tool_call_arguments", "tool_calls.arguments_canonical", _canonical_call_arguments),
 )

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.canonicalizer import STEP_NAMES, canonicalize
 from gateway.config import CanonicalizeSwitches
 
-ALL = CanonicalizeSwitches(tool_result_order=True)  # every step (tool_result_order is opt-in)
+ALL = CanonicalizeSwitches(tool_order=True, tool_result_order=True)  # every step (both order steps are opt-in)
 NONE = CanonicalizeSwitches(*(False,) * len(CanonicalizeSwitches.__dataclass_fields__))
 
 keys = st.text(alphabet="abcxyz_", min_size=1, max_size=4)

@@ -40,7 +40,7 @@ def test_example_config(tmp_path):
     acme = config.tenants["acme"]
     assert acme.scope == "group:research" and acme.reject_on == {"PS101"}
     assert acme.canonicalize == CanonicalizeSwitches(tools=False)
-    assert config.tenants["public"].canonicalize == CanonicalizeSwitches(*(False,) * 6)
+    assert config.tenants["public"].canonicalize == CanonicalizeSwitches(*(False,) * 7)
     assert config.max_body_bytes == 1048576 and config.upstream == "http://127.0.0.1:8001"
     auth = Authenticator(config, open_mode=False)
     assert auth.tenant_for("Bearer acme-key").name == "acme"

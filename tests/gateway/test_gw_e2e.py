@@ -65,6 +65,7 @@ def server(tmp_path_factory):
     config.write_text(
         f'[server]\nadmin_keys = ["{hash_key(ADMIN)}"]\n'
         + "".join(f'[tenants.{name}]\nkeys = ["{hash_key(key)}"]\n' for name, key in KEYS.items())
+        + "[tenants.alpha.canonicalize]\ntool_order = true\n"  # opted in: reordered tools share a prefix
         + "[tenants.raw.canonicalize]\ntools = false\n"
     )
     port, engine_port = free_port(), free_port()

@@ -17,7 +17,7 @@ KEY_A, KEY_B, ADMIN = "key-a-secret", "key-b-secret", "admin-secret"
 CONFIG = {
     "server": {"admin_keys": [hash_key(ADMIN)]},
     "tenants": {
-        "alpha": {"keys": [hash_key(KEY_A)]},
+        "alpha": {"keys": [hash_key(KEY_A)], "canonicalize": {"tool_order": True}},
         "beta": {"keys": [hash_key(KEY_B)], "isolation": "group:team"},
         "gamma": {"keys": [hash_key("key-c")], "isolation": "shared", "canonicalize": False},
         "delta": {"keys": [hash_key("key-d")], "isolation": "group:team"},

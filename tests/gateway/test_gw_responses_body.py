@@ -21,7 +21,7 @@ BODY = {"model": "m", "instructions": "Be brief.", "tools": TOOLS,
 
 def test_canonical_tools_format_and_arguments_without_touching_the_input_body():
     before = orjson.dumps(BODY)
-    body, applied = canonicalize_responses(BODY, CanonicalizeSwitches())
+    body, applied = canonicalize_responses(BODY, CanonicalizeSwitches(tool_order=True))
     assert orjson.dumps(BODY) == before
     assert applied == ["tools.keys_sorted", "tools.ordered_by_name", "response_format.keys_sorted",
                        "tool_calls.arguments_canonical"]
