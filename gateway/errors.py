@@ -3,7 +3,7 @@
 Every failure the gateway reports is a :class:`GatewayError`; the app turns it into
 ``{"error": {"message", "type", "param", "code"}}`` at one place
 (:func:`error_response`). Upstream transport failures (httpx exceptions) are
-translated into these classes in :mod:`gateway.upstream` and nowhere else.
+translated into these classes in :mod:`gateway.upstream.client` and nowhere else.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class UpstreamUnavailable(GatewayError):
 
 class UpstreamUnreachable(UpstreamUnavailable):
     """No connection to the upstream could be made: nothing of the request reached it,
-    so another replica may take it (:mod:`gateway.replicas`)."""
+    so another replica may take it (:mod:`gateway.routing.replicas`)."""
 
 
 class UpstreamTimeout(GatewayError):

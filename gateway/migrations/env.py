@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
-import gateway.response_store  # noqa: F401  (registers stored_response in the metadata)
-from gateway.database import create_db_engine
-from gateway.stats_table import metadata
+import gateway.responses.store  # noqa: F401  (registers stored_response in the metadata)
+from gateway.stats.database import create_db_engine
+from gateway.stats.table import metadata
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):

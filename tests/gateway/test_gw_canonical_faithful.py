@@ -22,8 +22,8 @@ import pytest
 from gw_fakes import free_port, wait_healthy
 from pydantic import BaseModel
 
-from gateway.api_key import hash_key
-from gateway.config import CanonicalizeSwitches
+from gateway.config.config_file import CanonicalizeSwitches
+from gateway.policy.api_key import hash_key
 
 pytestmark = pytest.mark.real_model
 

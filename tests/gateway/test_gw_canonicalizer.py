@@ -9,8 +9,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canonicalizer import STEP_NAMES, canonicalize
-from gateway.config import CanonicalizeSwitches
+from gateway.config.config_file import CanonicalizeSwitches
+from gateway.policy.canonicalizer import STEP_NAMES, canonicalize
 
 ALL = CanonicalizeSwitches(tool_result_order=True)  # every step (tool_result_order is opt-in)
 NONE = CanonicalizeSwitches(*(False,) * len(CanonicalizeSwitches.__dataclass_fields__))

@@ -1,7 +1,7 @@
 """The gateway's token ids equal the engine's, request for request.
 
 The engine renders with ``engine.chat.ChatRenderer`` over a ``transformers``
-tokenizer; the gateway over ``gateway.chat_tokenizer.ChatTokenizer`` (tokenizers +
+tokenizer; the gateway over ``gateway.routing.chat_tokenizer.ChatTokenizer`` (tokenizers +
 jinja2). Both are run on the same requests: the bundled SmolLM2 template (which
 ignores tools, so they are inlined) and a tools-aware template written into a copy
 of the model directory (so the template path with ``tools`` and ``tojson`` runs).
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from engine.server.chat import ChatRenderer
-from gateway.block_keys import BlockKeyer
-from gateway.chat_tokenizer import ChatTokenizer
+from gateway.routing.block_keys import BlockKeyer
+from gateway.routing.chat_tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.real_model
 

@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from gw_fakes import free_port
 from sqlalchemy import insert
 
-from gateway import database
-from gateway.stats_table import request_log
+from gateway.stats import database
+from gateway.stats.table import request_log
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 

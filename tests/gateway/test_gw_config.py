@@ -6,11 +6,16 @@ import tomllib
 
 import pytest
 
-from gateway.api_key import generate_key, hash_key, key_matches
-from gateway.authenticator import Authenticator
-from gateway.config import CanonicalizeSwitches, GatewayConfig, load_config, parse_config
-from gateway.config_editor import add_key_hash
+from gateway.config.config_file import (
+    CanonicalizeSwitches,
+    GatewayConfig,
+    load_config,
+    parse_config,
+)
+from gateway.config.editor import add_key_hash
 from gateway.errors import Forbidden, Unauthorized
+from gateway.policy.api_key import generate_key, hash_key, key_matches
+from gateway.policy.authenticator import Authenticator
 
 EXAMPLE = f"""
 [server]

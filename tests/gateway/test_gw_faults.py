@@ -12,7 +12,7 @@ import orjson
 import pytest
 from gw_fakes import FakeUpstream, gateway_client, make_settings, rows, serve_in_thread
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 

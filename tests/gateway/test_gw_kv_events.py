@@ -21,8 +21,8 @@ from engine.kvcache.block_hash import hash_block_chain
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.request import Request
 from engine.server.kv_event_publisher import KvEventPublisher, KVEventsConfig
-from gateway.block_index import ReplicaIndex
-from gateway.kv_events import EventSource, KvEventSubscriber
+from gateway.routing.block_index import ReplicaIndex
+from gateway.routing.kv_events import EventSource, KvEventSubscriber
 
 BS = 4
 

@@ -9,9 +9,9 @@ import httpx
 import orjson
 from gw_fakes import SECRET, free_port, gateway_client, make_settings, rows, serve_in_thread
 
-from gateway.api_key import hash_key
-from gateway.prefix_warner import CONVERSATION_HEADER
-from gateway.salt import derive_cache_salt
+from gateway.policy.api_key import hash_key
+from gateway.policy.prefix_warner import CONVERSATION_HEADER
+from gateway.policy.salt import derive_cache_salt
 
 KEY_A, KEY_B, ADMIN = "key-a-secret", "key-b-secret", "admin-secret"
 CONFIG = {
@@ -308,7 +308,7 @@ def test_health_and_metrics(tmp_path, fake_upstream):
 def test_metrics_port_serves_metrics_without_a_key_on_its_own_port(tmp_path, fake_upstream):
     import dataclasses
 
-    from gateway.app import create_app
+    from gateway.server.app import create_app
 
     metrics_port = free_port()
     with serve_in_thread(fake_upstream.app) as upstream:
@@ -377,7 +377,7 @@ def test_large_bodies_are_parsed_and_canonicalized_off_the_event_loop(tmp_path, 
     """Past 64 KiB, parsing, canonicalization and encoding the upstream body run on a
     thread (they grow with the body); small bodies stay on the loop (a hand-off costs
     more than they do). The answer is the same either way."""
-    import gateway.proxy as proxy
+    import gateway.proxy.handler as proxy
 
     seen: list[tuple[int, bool]] = []
     real = proxy.canonicalize

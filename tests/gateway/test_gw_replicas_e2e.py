@@ -18,7 +18,7 @@ import openai
 import pytest
 from gw_fakes import free_port, rows, wait_healthy
 
-from gateway.database import default_db_url
+from gateway.stats.database import default_db_url
 
 pytestmark = pytest.mark.real_model
 

@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.app import create_app
-from gateway.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.config.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.server.app import create_app
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 IDLE = {"upstream_idle_timeout_s": 0.5}

@@ -29,17 +29,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import inspect
 
-from gateway import database
-from gateway.api_key import hash_key
-from gateway.app import create_app
-from gateway.response_store import (
+from gateway.policy.api_key import hash_key
+from gateway.responses.store import (
     ResponseLimits,
     ResponseStore,
     StoredResponse,
     join_arrays,
     parse_ttl,
 )
-from gateway.settings import GatewaySettings
+from gateway.server.app import create_app
+from gateway.server.settings import GatewaySettings
+from gateway.stats import database
 
 MODEL = "tiny-llama"
 KEYS = {"acme": "pg-acme-key-0123", "beta": "pg-beta-key-0123"}

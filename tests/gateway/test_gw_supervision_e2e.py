@@ -27,7 +27,7 @@ import openai
 import pytest
 from gw_fakes import free_port, wait_healthy
 
-from gateway.ports import ensure_free
+from gateway.server.ports import ensure_free
 
 pytestmark = pytest.mark.real_model
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
 
-from gateway.database import default_db_url
+from gateway.stats.database import default_db_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def head_revision() -> str:
     """The newest revision of the checkout's migrations (the wheel must carry them all)."""
     from alembic.script import ScriptDirectory
 
-    from gateway.database import alembic_config
+    from gateway.stats.database import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     assert head is not None
@@ -74,7 +74,7 @@ def run(bindir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 
 def test_the_wheel_is_imported_from_site_packages_without_torch(installed, tmp_path):
-    code = "import sys, gateway.app; print(gateway.app.__file__); print('torch' in sys.modules)"
+    code = "import sys, gateway.server.app; print(gateway.server.app.__file__); print('torch' in sys.modules)"
     done = subprocess.run([str(installed / "python"), "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

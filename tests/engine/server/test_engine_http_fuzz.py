@@ -26,9 +26,9 @@ import uvicorn
 from bad_requests import cases, check_answer
 from test_engine_http_fixtures import serve, wait_until
 
-from gateway.app import create_app as create_gateway
-from gateway.database import default_db_url, upgrade
-from gateway.settings import GatewaySettings
+from gateway.server.app import create_app as create_gateway
+from gateway.server.settings import GatewaySettings
+from gateway.stats.database import default_db_url, upgrade
 
 CASES_PER_RUN = int(os.environ.get("PREFIXGATE_FUZZ_CASES") or 300)
 KEY = "fuzz-engine-key"
@@ -112,8 +112,8 @@ def test_gateway_wrote_one_row_per_fuzzed_request(servers, tiny_engine):
     assert all(check_answer(status, content) is None for _, status, content in answers)
     from sqlalchemy import func, select
 
-    from gateway.database import create_db_engine
-    from gateway.stats_table import request_log
+    from gateway.stats.database import create_db_engine
+    from gateway.stats.table import request_log
 
     def written() -> int:
         engine = create_db_engine(db_url)

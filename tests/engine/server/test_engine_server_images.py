@@ -181,8 +181,8 @@ def test_importing_the_image_modules_and_the_gateway_does_not_import_pillow():
     import subprocess
     import sys
 
-    code = ("import sys, engine.image_content, engine.server.images, engine.server.chat, gateway.block_keys, "
-            "gateway.app, linter.api, linter.render; "
+    code = ("import sys, engine.image_content, engine.server.images, engine.server.chat, gateway.routing.block_keys, "
+            "gateway.server.app, linter.api, linter.render; "
             "sys.exit('PIL' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
