@@ -95,7 +95,7 @@ class JsonTokenizer:
 
 def bundled_tokenizer_path() -> Path:
     """Where the bundled model's tokenizer.json lives once the engine converted the model."""
-    from engine.model_store import converted_model_dir
+    from engine.contract.model_location import converted_model_dir
 
     return converted_model_dir() / "tokenizer.json"
 

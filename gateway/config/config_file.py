@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.server.body_reader import BodyLimits
+from engine.contract.body_reader import BodyLimits
 from gateway.config.replica_spec import (
     ReplicaSpec,
     RoutingOptions,
@@ -95,7 +95,7 @@ class GatewayConfig:
     secret: str | None = None
     upstream: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # Request bodies in flight (engine/server/body_reader.py): bytes overall and per tenant, read timeouts.
+    # Request bodies in flight (engine/contract/body_reader.py): bytes overall and per tenant, read timeouts.
     inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES
     tenant_inflight_body_bytes: int = DEFAULT_TENANT_INFLIGHT_BODY_BYTES
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.contract.limits import BLOCK_SIZE
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ZMQ_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
 DEFAULT_LOAD_COST_TOKENS = 32
@@ -44,7 +46,7 @@ class RoutingOptions:
     None: the bundled model's when it has been converted, else routing by load only."""
 
     tokenizer: Path | None = None
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS
     miss_weight: float = DEFAULT_MISS_WEIGHT
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S

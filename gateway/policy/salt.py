@@ -18,7 +18,6 @@ import stat
 from pathlib import Path
 
 SECRET_ENV = "PREFIXGATE_SECRET"
-MAX_CLIENT_SALT_CHARS = 1024
 
 
 def derive_cache_salt(secret: bytes, scope: str | None, client_salt: str | None) -> str | None:

@@ -30,7 +30,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.server.body_reader import BodyLease, BodyReader
+from engine.contract.body_reader import BodyLease, BodyReader
 from gateway.config.config_file import Tenant
 from gateway.errors import GatewayError, PrefixWarningRejected, error_response
 from gateway.policy.authenticator import Authenticator

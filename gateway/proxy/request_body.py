@@ -1,6 +1,6 @@
 """Reading and validating client request bodies (bounded, OpenAI-shaped 4xx errors).
 
-Reading is the engine's :class:`~engine.server.body_reader.BodyReader` (content type,
+Reading is the engine's :class:`~engine.contract.body_reader.BodyReader` (content type,
 size, read timeouts, bytes in flight per tenant and overall), its errors rendered as
 :class:`GatewayError`.
 
@@ -9,7 +9,7 @@ nesting depth, the ``model``/``stream``/``messages``/``prompt`` shapes,
 ``cache_salt``, and the types of the fields it canonicalizes); every other field
 is passed through for the upstream to judge.
 
-Depth: a body nested more than :data:`engine.server.protocol.MAX_JSON_DEPTH` (128)
+Depth: a body nested more than :data:`engine.contract.limits.MAX_JSON_DEPTH` (128)
 levels is a 400 ``json_too_deep`` naming the field, the same rule the engine
 applies (walked only when the body holds more brackets than that limit). It
 keeps every later step total: orjson refuses to encode more than 254 levels
@@ -23,11 +23,10 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from engine.server.body_reader import BodyLease, BodyReader
-from engine.server.errors import APIError
-from engine.server.protocol import MAX_JSON_DEPTH, too_deep_field
+from engine.contract.body_reader import BodyLease, BodyReader
+from engine.contract.errors import APIError
+from engine.contract.limits import MAX_JSON_DEPTH, cache_salt_problem, too_deep_field
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.policy.salt import MAX_CLIENT_SALT_CHARS
 
 
 class ClientGone(GatewayError):
@@ -76,14 +75,8 @@ def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
     _expect(body, "stream", bool, "a boolean")
     _expect(body, "stream_options", dict, "an object")
-    salt = body.get("cache_salt")
-    if "cache_salt" in body and (
-        not isinstance(salt, str) or not salt or len(salt) > MAX_CLIENT_SALT_CHARS
-    ):
-        raise InvalidRequest(
-            f"'cache_salt' must be a non-empty string of at most {MAX_CLIENT_SALT_CHARS} characters",
-            param="cache_salt",
-        )
+    if "cache_salt" in body and (problem := cache_salt_problem(body["cache_salt"])) is not None:
+        raise InvalidRequest(problem, param="cache_salt")
     if endpoint == "chat.completions":
         _check_messages(body)
         _expect(body, "tools", list, "an array")

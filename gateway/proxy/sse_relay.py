@@ -40,10 +40,10 @@ from typing import Any
 
 import orjson
 
+from engine.contract.sse import DONE, SSE_DONE, sse_event
 from gateway.errors import GatewayError, InvalidRequest, UpstreamError
 from gateway.request_record import RequestRecord
 
-DONE = b"[DONE]"
 RESPONSES_END = ("response.completed", "response.incomplete", "response.failed")
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 _HAS_FINISH = re.compile(rb'"finish_reason"\s*:(?!\s*null)')
@@ -96,11 +96,11 @@ class SseRelay:
         """The events that end this stream with ``error`` (see the module docstring)."""
         body = error.to_dict()
         if not self.responses:
-            return [b"data: " + orjson.dumps(body) + b"\n\n", b"data: " + DONE + b"\n\n"]
+            return [sse_event(body), SSE_DONE]
         fields = body["error"]
         payload = {"type": "error", "sequence_number": self._next_sequence, "code": fields["code"],
                    "message": fields["message"], "param": fields["param"]}
-        return [b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"]
+        return [sse_event(payload, "error")]
 
     def _event(self, event: bytes) -> list[bytes]:
         self.record.mark_first_byte()
@@ -176,7 +176,7 @@ class SseRelay:
             changed = True
         if not changed:
             return [event]
-        return [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+        return [sse_event(chunk)]
 
     def _is_final(self, chunk: dict[str, Any], is_usage_chunk: bool) -> bool:
         if not self.strip_usage:
@@ -191,7 +191,7 @@ class SseRelay:
             return []
         chunk = {"object": "chat.completion.chunk", "choices": [], "prefix_warnings": self.warnings}
         self.warnings = None
-        return [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+        return [sse_event(chunk)]
 
 
 def _data_of(event: bytes) -> bytes | None:

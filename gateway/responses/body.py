@@ -4,7 +4,7 @@ The gateway treats ``POST /v1/responses`` like chat. Two helpers make that possi
 without a second implementation of either side:
 
 * :func:`chat_view` is the chat request a Responses request stands for (the
-  engine's own translation, :func:`engine.server.responses.to_chat_body`: pure
+  engine's own translation, :func:`engine.contract.responses_request.to_chat_body`: pure
   Python, no torch), used for prefix warnings, block keys and the OpenAI
   ``prompt_cache_key`` family; None when the body cannot be translated (the
   upstream then answers the 400 itself);
@@ -42,8 +42,8 @@ Body = dict[str, Any]
 
 def chat_view(body: Body) -> Body | None:
     """The equivalent chat request, or None when ``body`` does not translate."""
-    from engine.server.errors import APIError
-    from engine.server.responses import to_chat_body
+    from engine.contract.errors import APIError
+    from engine.contract.responses_request import to_chat_body
 
     try:
         return to_chat_body(orjson.loads(orjson.dumps(body)))

@@ -11,7 +11,7 @@ matter.
 Invariants:
 
 * token ids are the engine's: the chat template and message normalization of
-  :class:`engine.chat.ChatRenderer` over :class:`gateway.routing.chat_tokenizer.ChatTokenizer`;
+  :class:`engine.contract.chat.ChatRenderer` over :class:`engine.contract.chat_tokenizer.ChatTokenizer`;
   a completion prompt string is encoded with the tokenizer's special tokens, a
   prompt given as token ids is used as is;
 * only full blocks have keys, and a hit can never cover the prompt's last token
@@ -43,13 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.contract.chat import ChatRenderer
+from engine.contract.chat_tokenizer import ChatTokenizer
+from engine.contract.limits import BLOCK_SIZE
 from engine.kvcache.block_hash import BlockHash, hash_block_chain
-from engine.server.chat import ChatRenderer
-from gateway.routing.chat_tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 TEXT_PROBES = (" x", "\n")
 IMAGE_PART_TYPES = ("image_url", "input_image")
 

@@ -210,7 +210,7 @@ def load_keyer(options: RoutingOptions) -> BlockKeyer | None:
     """Block keys from ``options.tokenizer``, else the bundled model's tokenizer when it exists.
 
     Without one the replicas are balanced by load only (logged once)."""
-    from engine.model_store import converted_model_dir
+    from engine.contract.model_location import converted_model_dir
 
     model_dir = options.tokenizer
     if model_dir is None and (converted_model_dir() / "tokenizer.json").is_file():

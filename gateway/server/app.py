@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.body_reader import BodyReader
+from engine.contract.body_reader import BodyReader
 from gateway.errors import GatewayError, NotFound, Unauthorized, error_response
 from gateway.policy.authenticator import Authenticator, bearer_token
 from gateway.policy.prefix_warner import History, PrefixWarner

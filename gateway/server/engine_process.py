@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from engine.server.api_key import API_KEY_ENV
+from engine.contract.api_key import API_KEY_ENV
 from gateway.server.parent_death import preexec
 
 log = logging.getLogger("prefixgate.serve")

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
-from engine.server.body_reader import TENANT_HEADER
+from engine.contract.body_reader import TENANT_HEADER
 from gateway.config.replica_spec import normalize_base_url
 from gateway.errors import (
     GatewayError,

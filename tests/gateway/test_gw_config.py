@@ -88,7 +88,7 @@ def test_bad_config_names_the_field(data, message):
 
 
 def test_body_limits_come_from_the_server_table():
-    from engine.server.body_reader import BodyLimits
+    from engine.contract.body_reader import BodyLimits
 
     config = parse_config({"server": {"max_body_bytes": 1000, "inflight_body_bytes": 5000,
                                       "tenant_inflight_body_bytes": 2000, "body_timeout_s": 30,

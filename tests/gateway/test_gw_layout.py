@@ -108,3 +108,30 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     sample.write_text("def f():\n    from gateway.config import runtime_dir\n    import gateway.errors\n")
     assert imports_of(sample, {"gateway.config.runtime_dir", "gateway.errors"}) == {
         "gateway.config.runtime_dir", "gateway.errors"}
+
+
+FORBIDDEN = ("engine.server", "engine.core", "engine.model", "engine.multimodal", "engine.structured",
+             "engine.model_store")
+
+
+def engine_imports(path: Path) -> set[str]:
+    """Every ``engine...`` module or name ``path`` imports, at module level or in a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "engine":
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "engine")
+    return found
+
+
+def test_gateway_and_linter_use_only_the_engine_contract():
+    """The engine's torch-free contract (and its pure-Python block hashes) only; the root
+    command may name ``engine.cli`` as a string to dispatch to it."""
+    bad = []
+    for package in ("gateway", "linter"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in engine_imports(path):
+                if name.startswith(FORBIDDEN):
+                    bad.append(f"{path.relative_to(ROOT)}: {name}")
+    assert bad == []

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from gw_fakes import gateway_client, make_settings
 
-from engine.server.body_reader import TENANT_HEADER
+from engine.contract.body_reader import TENANT_HEADER
 from gateway.policy.api_key import hash_key
 
 KEY = "pg-acme-key-0123"

@@ -135,8 +135,8 @@ def test_only_llama_language_models_and_the_two_architectures_are_accepted(vlm_d
 
 
 def test_the_chat_renderer_still_imports_no_torch():
-    # the gateway renders chats with engine.server.chat; the VLM path must not pull torch into it
-    code = "import sys, engine.server.chat; print('torch' in sys.modules)"
+    # the gateway renders chats with engine.contract.chat; the VLM path must not pull torch into it
+    code = "import sys, engine.contract.chat; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

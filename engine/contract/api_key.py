@@ -20,7 +20,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.errors import APIError
+from engine.contract.errors import APIError
 
 API_KEY_ENV = "PREFIXGATE_ENGINE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})

@@ -1,6 +1,6 @@
 """PixelBudget: how many decoded image pixels the server's requests may hold at once.
 
-Each image respects :data:`engine.image_content.MAX_IMAGE_PIXELS`, but requests
+Each image respects :data:`engine.contract.image_content.MAX_IMAGE_PIXELS`, but requests
 arrive together: eight 6320x6320 PNGs of zeros are a 1.2 MB body and 320 M pixels
 once decoded. So a request reserves the pixels of all its images (read from their
 headers, before any is decoded) in one piece, and holds them while they are decoded,
@@ -33,7 +33,7 @@ import time
 from collections import deque
 
 DEFAULT_MAX_PIXELS_IN_FLIGHT = 320_000_000
-"""Eight images of 40 M pixels (:data:`engine.image_content.MAX_IMAGE_PIXELS`): one full request."""
+"""Eight images of 40 M pixels (:data:`engine.contract.image_content.MAX_IMAGE_PIXELS`): one full request."""
 DEFAULT_WAIT_S = 30.0
 DEFAULT_MAX_WAITING = 8
 

@@ -11,7 +11,7 @@ messages are normalized so that every template gets plain strings:
 * ``tools`` go to the template when its source mentions ``tools``. Otherwise they
   are not dropped: each tool's JSON (keys in the order given) is written on its own
   line under a header into the system message (a new first system message if there
-  is none), followed by how to call them (:data:`engine.server.tool_calls.CALL_INSTRUCTIONS`),
+  is none), followed by how to call them (:data:`engine.contract.tool_call_format.CALL_INSTRUCTIONS`),
   and an assistant message's ``tool_calls`` are appended to its content in that
   same form, so tools always change the prompt (and its cache key) deterministically
   and the model sees its earlier calls as it was asked to write them.
@@ -19,10 +19,10 @@ messages are normalized so that every template gets plain strings:
 Images: a model that does not accept images answers 400 "model does not accept
 images". Each image part is loaded (data: URLs only unless remote images are
 allowed) and its header read; the pixels of all the request's images are then
-reserved in one piece from the server's :class:`~engine.server.pixel_budget.PixelBudget`
+reserved in one piece from the server's :class:`~engine.contract.pixel_budget.PixelBudget`
 (429 ``rate_limit_exceeded`` when it stays full, 400 when they exceed it alone)
 and held while the images are decoded, named by their content hash
-(:class:`~engine.server.images.ImageData`) and processed; the reservation ends
+(:class:`~engine.contract.images.ImageData`) and processed; the reservation ends
 with the rendering.
 
 * A vision-language model (an :class:`~engine.multimodal.processor.ImagePromptProcessor`
@@ -50,17 +50,39 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from engine.image_content import image_pixels
+from engine.contract.errors import APIError, invalid_param
+from engine.contract.image_content import image_pixels
+from engine.contract.images import ImageData, ImageFetcher, image_bytes
+from engine.contract.pixel_budget import PixelBudget, PixelBudgetBusy, PixelBudgetTooSmall
+from engine.contract.tool_call_format import CALL_INSTRUCTIONS, render_call
 from engine.kvcache.block_hash import MultiModalItem
-from engine.server.errors import APIError, invalid_param
-from engine.server.images import ImageData, ImageFetcher, image_bytes
-from engine.server.pixel_budget import PixelBudget, PixelBudgetBusy, PixelBudgetTooSmall
-from engine.server.tool_calls import CALL_INSTRUCTIONS, render_call
 
-if TYPE_CHECKING:  # the gateway imports this module and must not import torch
-    from engine.multimodal.processor import ImagePromptProcessor
+
+class ProcessedImages(Protocol):
+    """What an image processor gives back: the prompt's ids, one item per image, its inputs."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def items(self) -> tuple[MultiModalItem, ...]: ...
+    @property
+    def inputs(self) -> tuple[Any, ...]: ...
+
+
+class ImagePromptProcessor(Protocol):
+    """The renderer's view of a vision-language checkpoint's processor
+    (:class:`engine.multimodal.processor.ImagePromptProcessor`, torch; named here by shape
+    only, so that the gateway importing this module imports no torch)."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def image_text(self) -> str: ...
+    @property
+    def image_token_id(self) -> int: ...
+    def encode(self, text: str, images: Sequence[Any], identifiers: Sequence[str]) -> ProcessedImages: ...
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_JOIN = "\n"

@@ -1,7 +1,7 @@
 """BodyReader: the one bounded reader of JSON request bodies, for the engine and the gateway.
 
 Pure Python (Starlette and asyncio only), so the gateway imports it too. A body is
-refused, in OpenAI's error shape (:class:`~engine.server.errors.APIError`), when
+refused, in OpenAI's error shape (:class:`~engine.contract.errors.APIError`), when
 
 - its ``Content-Type`` is not ``application/json`` (parameters such as ``charset``
   allowed): 415 ``unsupported_media_type``. Other types would let a web page make a
@@ -31,7 +31,7 @@ from types import TracebackType
 
 from starlette.requests import Request
 
-from engine.server import errors
+from engine.contract import errors
 
 MIB = 1024 * 1024
 JSON_MEDIA_TYPE = "application/json"

@@ -10,8 +10,8 @@ A fetch is one GET of an allowed host over http(s), at most ``max_bytes`` and
 an allowed host. The server calls this from a worker thread, never on the event loop.
 
 Invariant: ``ImageData.image`` is the decoded image, verified by
-:func:`engine.image_content.decode_image` (PNG, JPEG or WebP, bounded pixels, not
-truncated), and ``ImageData.sha256`` is :func:`engine.image_content.content_hash` of
+:func:`engine.contract.image_content.decode_image` (PNG, JPEG or WebP, bounded pixels, not
+truncated), and ``ImageData.sha256`` is :func:`engine.contract.image_content.content_hash` of
 it: a hash of the pixels and their shape, not of the URL or the encoded bytes. It is
 the :class:`~engine.kvcache.block_hash.MultiModalItem` identifier, so the same picture
 sent twice (whatever its encoding or base64 line wrapping) yields the same block hashes.
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from engine.image_content import content_hash, data_url_bytes, decode_image
-from engine.server.pixel_budget import DEFAULT_MAX_PIXELS_IN_FLIGHT
+from engine.contract.image_content import content_hash, data_url_bytes, decode_image
+from engine.contract.pixel_budget import DEFAULT_MAX_PIXELS_IN_FLIGHT
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -93,9 +93,9 @@ class MediaPolicy:
     """Which remote image URLs the server fetches (none unless ``allowed_domains`` names hosts),
     how many images one request may carry (each decoded image is held until the
     request is rendered: ``max_images_per_request`` x
-    :data:`engine.image_content.MAX_IMAGE_PIXELS` bounds it), and how many decoded
+    :data:`engine.contract.image_content.MAX_IMAGE_PIXELS` bounds it), and how many decoded
     pixels all requests together may hold (``max_pixels_in_flight``, see
-    :mod:`engine.server.pixel_budget`).
+    :mod:`engine.contract.pixel_budget`).
 
     Hosts match exactly, case-insensitively (``example.com`` does not allow
     ``cdn.example.com``). ``timeout_s`` bounds a whole fetch, redirects included.

@@ -2,7 +2,7 @@
 
 The gateway must produce exactly the token ids the engine will compute, so that
 its block keys name the blocks the engine will hit. The engine renders chat
-requests with :class:`engine.chat.ChatRenderer` over a ``transformers`` tokenizer;
+requests with :class:`engine.contract.chat.ChatRenderer` over a ``transformers`` tokenizer;
 the gateway uses the same renderer (one implementation of message normalization,
 content-part joins and inlined tools) over this class, which reproduces the two
 ``transformers`` calls the renderer makes:
@@ -74,7 +74,7 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
 
 
 class ChatTokenizer:
-    """The tokenizer-like object :class:`engine.chat.ChatRenderer` needs; thread-safe."""
+    """The tokenizer-like object :class:`engine.contract.chat.ChatRenderer` needs; thread-safe."""
 
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer
