@@ -73,20 +73,27 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def load_tokenizer_file(path: Path) -> Any:
+    """A ``tokenizers.Tokenizer`` from a Hugging Face ``tokenizer.json``: the one loader of
+    the gateway's :class:`ChatTokenizer` and the linter's exact token counts.
+    ValueError naming the file when it cannot be read."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises a bare Exception on bad files
+        raise ValueError(f"cannot load tokenizer {str(path)!r}: {exc}") from None
+
+
 class ChatTokenizer:
     """The tokenizer-like object :class:`engine.contract.chat.ChatRenderer` needs; thread-safe."""
 
     def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer
-
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(f"no tokenizer.json in {str(model_dir)!r}")
-        try:
-            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the library raises a bare Exception on bad files
-            raise ValueError(f"cannot load {str(tokenizer_file)!r}: {exc}") from None
+        self._tokenizer = load_tokenizer_file(tokenizer_file)
         config_file = model_dir / "tokenizer_config.json"
         config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
         template_file = model_dir / "chat_template.jinja"

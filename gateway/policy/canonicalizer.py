@@ -54,7 +54,7 @@ from linter.canonical_json import compact_arguments, is_schema_sorted, sort_sche
 Body = dict[str, Any]
 
 
-def _sorted_json(value: Any) -> tuple[Any, bool]:
+def sorted_json(value: Any) -> tuple[Any, bool]:
     """``value`` in canonical schema form (order-free keys sorted, order-significant
     parts kept: :func:`linter.canonical_json.sort_schema_keys`), and whether that changed it."""
     if is_schema_sorted(value):
@@ -66,7 +66,7 @@ def sort_tool_keys(body: Body) -> bool:
     tools = body.get("tools")
     if not isinstance(tools, list):
         return False
-    new_tools, changed = _sorted_json(tools)
+    new_tools, changed = sorted_json(tools)
     if changed:
         body["tools"] = new_tools
     return changed
@@ -98,15 +98,10 @@ def sort_response_format_keys(body: Body) -> bool:
     response_format = body.get("response_format")
     if not isinstance(response_format, dict):
         return False
-    new_value, changed = _sorted_json(response_format)
+    new_value, changed = sorted_json(response_format)
     if changed:
         body["response_format"] = new_value
     return changed
-
-
-def _canonical_arguments(arguments: Any) -> str | None:
-    """The canonical form of a JSON arguments string (compact, member order kept), or None to leave it as sent."""
-    return compact_arguments(arguments)
 
 
 def canonicalize_tool_call_arguments(body: Body) -> bool:
@@ -124,7 +119,7 @@ def canonicalize_tool_call_arguments(body: Body) -> bool:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
                 continue
-            canonical = _canonical_arguments(function.get("arguments"))
+            canonical = compact_arguments(function.get("arguments"))
             if canonical is not None:
                 new_calls[position] = {**call, "function": {**function, "arguments": canonical}}
                 touched = True

@@ -31,11 +31,11 @@ import orjson
 
 from gateway.config.config_file import CanonicalizeSwitches
 from gateway.policy.canonicalizer import (
-    _canonical_arguments,
-    _sorted_json,
     canonicalize,
     sort_tool_keys,
+    sorted_json,
 )
+from linter.canonical_json import compact_arguments
 
 Body = dict[str, Any]
 
@@ -69,7 +69,7 @@ def _sort_format_keys(body: Body) -> bool:
     text = body.get("text")
     if not isinstance(text, dict) or not isinstance(text.get("format"), dict):
         return False
-    value, changed = _sorted_json(text["format"])
+    value, changed = sorted_json(text["format"])
     if changed:
         body["text"] = {**text, "format": value}
     return changed
@@ -82,7 +82,7 @@ def _canonical_call_arguments(body: Body) -> bool:
     result, changed = list(items), False
     for index, item in enumerate(items):
         if isinstance(item, dict) and item.get("type") == "function_call":
-            canonical = _canonical_arguments(item.get("arguments"))
+            canonical = compact_arguments(item.get("arguments"))
             if canonical is not None:
                 result[index] = {**item, "arguments": canonical}
                 changed = True

@@ -144,11 +144,8 @@ def create_app(
         return handle
 
     async def models(request: Request) -> Response:
-        try:
-            state.authenticator.tenant_for(request.headers.get("authorization"))
-            return _json(await state.replicas.get("/v1/models"))
-        except GatewayError as error:
-            return error_response(error)
+        state.authenticator.tenant_for(request.headers.get("authorization"))
+        return _json(await state.replicas.get("/v1/models"))
 
     async def health(request: Request) -> Response:
         error = await state.replicas.any_healthy()
@@ -158,20 +155,14 @@ def create_app(
 
     async def metrics(request: Request) -> Response:
         authorization = request.headers.get("authorization")
-        try:
-            if bearer_token(authorization) is None:
-                raise Unauthorized("/metrics needs an admin API key (or run with --metrics-port PORT "
-                                   "to serve it without one on 127.0.0.1:PORT).")
-            state.authenticator.require_admin(authorization)
-        except GatewayError as error:
-            return error_response(error)
+        if bearer_token(authorization) is None:
+            raise Unauthorized("/metrics needs an admin API key (or run with --metrics-port PORT "
+                               "to serve it without one on 127.0.0.1:PORT).")
+        state.authenticator.require_admin(authorization)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     async def cache_stats(request: Request) -> Response:
-        try:
-            state.authenticator.require_admin(request.headers.get("authorization"))
-        except GatewayError as error:
-            return error_response(error)
+        state.authenticator.require_admin(request.headers.get("authorization"))
         await anyio.to_thread.run_sync(state.writer.flush, 30.0)
         groups = await anyio.to_thread.run_sync(per_tenant, state.db_engine)
         return _json({

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from support.net import free_port
 
 from gateway.config.config_file import GatewayConfig, parse_config
 from gateway.server.app import create_app
@@ -149,11 +149,6 @@ def wait_healthy(
         assert time.monotonic() < deadline, f"{name} did not become healthy"
         time.sleep(interval)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

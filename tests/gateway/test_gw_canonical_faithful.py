@@ -19,8 +19,9 @@ import sys
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, wait_healthy
+from gw_fakes import wait_healthy
 from pydantic import BaseModel
+from support.net import free_port
 
 from gateway.config.config_file import CanonicalizeSwitches
 from gateway.policy.api_key import hash_key

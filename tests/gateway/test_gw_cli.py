@@ -10,7 +10,8 @@ import sys
 import tomllib
 
 import httpx
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+from gw_fakes import FakeUpstream, rows, serve_in_thread, wait_healthy
+from support.net import free_port
 
 from gateway.config.config_file import parse_config
 from gateway.policy.api_key import hash_key

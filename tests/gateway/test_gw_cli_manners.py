@@ -10,8 +10,8 @@ import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
-from gw_fakes import free_port
 from sqlalchemy import insert
+from support.net import free_port
 
 from gateway.stats import database
 from gateway.stats.table import request_log

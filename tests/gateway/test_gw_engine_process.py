@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from gw_fakes import free_port
+from support.net import free_port
 
 from gateway.server.engine_process import MAX_RESTARTS, EngineProcess, EngineStartError
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gw_fakes import free_port
+from support.net import free_port
 
 from engine.kvcache.block_hash import hash_block_chain
 from engine.kvcache.kv_cache_manager import KVCacheManager

@@ -223,7 +223,8 @@ def test_the_gateway_command_fronts_openai_over_real_http(tmp_path):
     import subprocess
     import sys
 
-    from gw_fakes import free_port, serve_in_thread, wait_healthy
+    from gw_fakes import serve_in_thread, wait_healthy
+    from support.net import free_port
 
     fake = FakeOpenAI()
     port = free_port()

@@ -9,7 +9,8 @@ import threading
 
 import httpx
 import pytest
-from gw_fakes import FakeUpstream, free_port, make_settings, rows, serve_in_thread
+from gw_fakes import FakeUpstream, make_settings, rows, serve_in_thread
+from support.net import free_port
 
 from gateway.config.replica_spec import ReplicaSpec, RoutingOptions
 from gateway.routing.replicas import ReplicaSet

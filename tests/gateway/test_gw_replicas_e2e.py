@@ -16,7 +16,8 @@ import time
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, rows, wait_healthy
+from gw_fakes import rows, wait_healthy
+from support.net import free_port
 
 from gateway.stats.database import default_db_url
 

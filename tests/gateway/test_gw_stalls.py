@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from support.sse import sse_events
 
 from gateway.config.replica_spec import ReplicaSpec, RoutingOptions
 from gateway.server.app import create_app
@@ -159,7 +160,7 @@ def test_a_stream_that_stops_mid_way_ends_with_an_error_event(tmp_path) -> None:
         finally:
             frozen.unblock()
     assert response.status_code == 200  # the head was sent before the stall
-    events = [line for line in response.text.split("\n\n") if line]
+    events = sse_events(response.text)
     assert '"he"' in events[0]
     last = orjson.loads(events[-1].removeprefix("data: "))
     assert last["error"]["code"] == "upstream_stalled"

@@ -449,7 +449,7 @@ def test_a_bad_responses_option_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys
 
-    from gw_fakes import free_port
+    from support.net import free_port
 
     for option, value in (("--responses-ttl", "3w"), ("--responses-max-turns", "0")):
         done = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--upstream", "http://127.0.0.1:9",

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, wait_healthy
+from gw_fakes import wait_healthy
+from support.net import free_port
 
 from gateway.server.ports import ensure_free
 

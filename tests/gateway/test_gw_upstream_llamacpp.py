@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from gw_fakes import free_port, gateway_client, make_settings, rows
+from gw_fakes import gateway_client, make_settings, rows
+from support.net import free_port
 
 from gateway.config.config_file import Tenant
 from gateway.policy.api_key import hash_key

@@ -14,7 +14,8 @@ import time
 
 import httpx
 import pytest
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+from gw_fakes import FakeUpstream, rows, serve_in_thread, wait_healthy
+from support.net import free_port
 
 from gateway.stats.database import default_db_url
 from gateway.stats.writer import FLUSH_INTERVAL_S

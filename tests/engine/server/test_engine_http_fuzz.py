@@ -24,6 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from bad_requests import cases, check_answer
+from support.sse import sse_events
 from test_engine_http_fixtures import serve, wait_until
 
 from gateway.server.app import create_app as create_gateway
@@ -192,7 +193,7 @@ def hostile_bodies(seed: int, count: int, model: str) -> list[tuple[str, dict, b
 
 def responses_stream_problem(content: bytes) -> str | None:
     """None when a Responses stream ends as it should: its last event completes the response."""
-    events = [e for e in content.split(b"\n\n") if e.strip()]
+    events = sse_events(content)
     last = events[-1].split(b"data: ", 1)[-1] if events else b"{}"
     kind = json.loads(last).get("type")
     return None if kind in ("response.completed", "response.incomplete") else f"stream ends with {kind}"
@@ -286,7 +287,7 @@ def test_a_grammar_failing_mid_generation_ends_as_a_client_error_on_both_servers
                 assert whole.json()["error"]["param"] == param and whole.json()["error"]["code"] == "invalid_schema"
                 streamed = client.post(path, json={**body, "stream": True})
                 assert streamed.status_code == 200
-                events = [e for e in streamed.text.split("\n\n") if e.strip()]
+                events = sse_events(streamed.text)
                 if path == "/v1/responses":
                     assert events[-1].startswith("event: error\n") and "[DONE]" not in streamed.text
                     error = json.loads(events[-1].split("data: ", 1)[1])
