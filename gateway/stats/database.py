@@ -4,7 +4,7 @@ SQLite databases run in WAL mode (readers never block the writer) with
 ``synchronous=NORMAL`` and a 10 s busy timeout, so several gateway worker processes
 can each write their own short batches to one file (SQLite serializes them). A new
 database file is created 0600, and SQLite gives its ``-wal`` and ``-shm`` files the
-same mode. The schema is owned by Alembic (``gateway/migrations/``, package data that
+same mode. The schema is owned by Alembic (top-level ``migrations/``, package data that
 the wheel carries; ``PREFIXGATE_MIGRATIONS`` overrides the location).
 """
 
@@ -55,8 +55,15 @@ def create_db_engine(url: str) -> Engine:
 
 
 def migrations_dir() -> Path:
+    """``$PREFIXGATE_MIGRATIONS``; else ``gateway/migrations/`` of an installed wheel; else the
+    source tree's top-level ``migrations/`` (which the wheel maps to that place)."""
     override = os.environ.get(MIGRATIONS_ENV)
-    path = Path(override) if override else Path(__file__).resolve().parents[1] / "migrations"
+    gateway_dir = Path(__file__).resolve().parents[1]
+    if override:
+        path = Path(override)
+    else:
+        installed, source = gateway_dir / "migrations", gateway_dir.parent / "migrations"
+        path = installed if (installed / "env.py").is_file() else source
     if not (path / "env.py").is_file():
         raise RuntimeError(
             f"Alembic migrations not found at {path}: reinstall prefixgate "

@@ -135,3 +135,17 @@ def test_gateway_and_linter_use_only_the_engine_contract():
                 if name.startswith(FORBIDDEN):
                     bad.append(f"{path.relative_to(ROOT)}: {name}")
     assert bad == []
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names its packages (to map the top-level migrations/ into the
+    wheel): a new subpackage missing from that list would be missing from the wheel."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(ROOT), include=["engine*", "linter*", "gateway*"]))
+    assert set(setuptools["packages"]) == found | {"gateway.migrations", "gateway.migrations.versions"}
+    assert setuptools["package-dir"] == {"gateway.migrations": "migrations"}
+    assert (ROOT / "migrations" / "env.py").is_file() and not (GATEWAY / "migrations").exists()
