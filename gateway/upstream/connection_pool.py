@@ -18,7 +18,7 @@ than reused (uvicorn servers drop idle connections after 5 s). A semaphore bound
 the connections per origin (``max_connections``); waiting for one honours the
 pool timeout. Responses are parsed by httptools (C, the parser uvicorn uses).
 
-Contract (what httpx and ``upstream.py`` rely on):
+Contract (what httpx and ``upstream/client.py`` rely on):
 
 - failures raise httpx's exceptions: ``ConnectError``/``ConnectTimeout`` before
   anything was sent, ``PoolTimeout``, ``ReadTimeout`` while waiting for bytes
