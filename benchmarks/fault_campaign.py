@@ -186,7 +186,7 @@ class Processes:
         return url
 
     def gateway(self, upstream: str, name: str, *extra: str) -> tuple[str, subprocess.Popen[bytes], Path]:
-        from gateway.api_key import hash_key
+        from gateway.policy.api_key import hash_key
 
         data = self.workdir / name
         data.mkdir()

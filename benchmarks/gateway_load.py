@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_overhead import cpu_seconds, free_port, wait_healthy
 
-from gateway.stats_writer import FLUSH_INTERVAL_S
+from gateway.stats.writer import FLUSH_INTERVAL_S
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OVERHEAD = Path(__file__).resolve().parent / "gateway_overhead.py"

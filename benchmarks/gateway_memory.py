@@ -177,7 +177,7 @@ async def stall(url: str, count: int) -> dict[int, int]:
 
 
 def write_config(workdir: Path, upstream: str) -> Path:
-    from gateway.api_key import hash_key
+    from gateway.policy.api_key import hash_key
 
     lines = ["[server]", f'upstream = "{upstream}"', f"upstream_timeout_s = {UPSTREAM_TIMEOUT_S}", ""]
     for name, key in KEYS.items():

@@ -3,8 +3,8 @@
 For photo-like pictures (smooth gradients plus noise, so encoders cannot cheat) at
 three sizes and in PNG, JPEG and lossless WebP, the median of ``--repeats`` runs of
 
-* ``decode``: :func:`engine.image_content.decode_image` (open, checks, full decode);
-* ``hash``: :func:`engine.image_content.content_hash` of the decoded image;
+* ``decode``: :func:`engine.contract.image_content.decode_image` (open, checks, full decode);
+* ``hash``: :func:`engine.contract.image_content.content_hash` of the decoded image;
 * ``bytes``: SHA256 of the encoded bytes (what the engine used before), for scale.
 
 Same-run ratios only: the machine is shared and its speed drifts between runs.
@@ -32,7 +32,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.image_content import content_hash, decode_image  # noqa: E402
+from engine.contract.image_content import content_hash, decode_image  # noqa: E402
 
 SIZES = ((512, 512), (1024, 1024), (2048, 2048), (4032, 3024))
 FORMATS = (("PNG", {}), ("JPEG", {"quality": 90}), ("WEBP", {"lossless": True}))

@@ -47,9 +47,9 @@ from PIL import Image
 from tiny_vlm import build_tiny_idefics3, build_tiny_llava
 
 from engine.config import EngineConfig
+from engine.contract.chat import ChatRenderer
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
 from engine.model_store import ensure_converted_model
-from engine.server.chat import ChatRenderer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "image_ttft.json"
 KINDS = ("new", "repeated", "repeated_image_new_text")

@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 from servers import free_port, wait_healthy  # this directory
 
-from gateway.replica_spec import DEFAULT_LOAD_COST_TOKENS, DEFAULT_MISS_WEIGHT
+from gateway.config.replica_spec import DEFAULT_LOAD_COST_TOKENS, DEFAULT_MISS_WEIGHT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jsonschema
 
 from engine.config import EngineConfig
+from engine.contract.chat import ChatRenderer
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
-from engine.server.chat import ChatRenderer
 from engine.structured.grammar import GrammarCompiler
 
 RESULTS = Path(__file__).resolve().parent / "results" / "structured_outputs.json"

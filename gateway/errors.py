@@ -1,9 +1,11 @@
 """Gateway error classes and their OpenAI-shaped JSON rendering.
 
-Every failure the gateway reports is a :class:`GatewayError`; the app turns it into
-``{"error": {"message", "type", "param", "code"}}`` at one place
-(:func:`error_response`). Upstream transport failures (httpx exceptions) are
-translated into these classes in :mod:`gateway.upstream` and nowhere else.
+Every failure the gateway reports is a :class:`GatewayError`, an
+:class:`engine.contract.errors.APIError` (the one OpenAI error type, and its one
+``{"error": {"message", "type", "param", "code"}}`` shape) whose status, type and code
+are its class's defaults; the app turns it into a response at one place
+(:func:`error_response`, the exception handler registered once on the app). Upstream transport failures (httpx exceptions) are
+translated into these classes in :mod:`gateway.upstream.client` and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from engine.contract.errors import APIError
 
-class GatewayError(Exception):
-    """An error with an HTTP status and OpenAI's error fields."""
+
+class GatewayError(APIError):
+    """An :class:`APIError` whose status, type and code default to its class's; ``extra``
+    adds top-level fields next to ``error`` (``prefix_warnings``)."""
 
     status: int = 500
     type: str = "server_error"
@@ -29,22 +34,21 @@ class GatewayError(Exception):
         code: str | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if code is not None:
-            self.code = code
+        super().__init__(self.status, message, type=self.type, param=param,
+                         code=self.code if code is None else code)
         self.extra = extra or {}
 
+    @property
+    def status_code(self) -> int:
+        """:attr:`status`, under the name the engine's APIError uses."""
+        return self.status
+
+    @status_code.setter
+    def status_code(self, value: int) -> None:
+        self.status = value
+
     def to_dict(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        body = super().to_dict()
         body.update(self.extra)
         return body
 
@@ -101,7 +105,7 @@ class UpstreamUnavailable(GatewayError):
 
 class UpstreamUnreachable(UpstreamUnavailable):
     """No connection to the upstream could be made: nothing of the request reached it,
-    so another replica may take it (:mod:`gateway.replicas`)."""
+    so another replica may take it (:mod:`gateway.routing.replicas`)."""
 
 
 class UpstreamTimeout(GatewayError):

@@ -30,7 +30,7 @@ class RequestRecord:
     error_code: str | None = None
     replica: str | None = None
     predicted_cached_tokens: int | None = None
-    route: Any = field(default=None, repr=False, compare=False)  # gateway.replicas.Route, not a column
+    route: Any = field(default=None, repr=False, compare=False)  # gateway.routing.replicas.Route, not a column
 
     def mark_first_byte(self) -> None:
         if self.ttft_ms is None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.contract.limits import BLOCK_SIZE
 from linter.finding import SEVERITIES
 from linter.registry import default_codes, expand_codes
 
@@ -56,7 +57,7 @@ class LintConfig:
     ignore: set[str] = field(default_factory=set)
     fail_on: str = "warning"
     allowlist: tuple[str, ...] = ()
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     cache_blocks: int | None = None
     tokenizer: str | None = None
     baseline: str | None = None

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.contract.limits import BLOCK_SIZE
 from linter import chat_request
 from linter.canonical_json import canonical_text, parse_json, sort_keys, tool_names
 from linter.conversation import conversation_keys
@@ -39,7 +40,7 @@ from linter.render import Rendered, Segment, image_name, render
 from linter.tokenizer import ApproxTokenizer, Tokenizer
 from linter.volatile import find_volatile
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 _MESSAGE_INDEX = re.compile(r"^messages\[(\d+)\]")
 _TOOL_INDEX = re.compile(r"^tools\[(\d+)\]")
 _default_tokenizer = ApproxTokenizer(memo_limit=4096)  # long-lived in the gateway: keep it small

@@ -8,7 +8,7 @@ image and tokenizes to about the image's token count.
 
 Identity (:attr:`ImagePart.identity`):
 
-* a ``data:`` URL: :func:`engine.image_content.image_identity` of its bytes, the
+* a ``data:`` URL: :func:`engine.contract.image_content.image_identity` of its bytes, the
   engine's own content hash (pixels and shape) where Pillow is importable; without
   Pillow, for bytes Pillow cannot decode, or past :data:`MAX_DECODED_PIXELS` (the
   gateway checks requests from anyone within a time budget: a tiny file can claim
@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.image_content import data_url_bytes, image_identity
+from engine.contract.image_content import data_url_bytes, image_identity
 from linter.canonical_json import canonical_text
 
 LOW_DETAIL_TOKENS = 85

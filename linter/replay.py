@@ -16,8 +16,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine import hash_block_chain
+from engine.contract.limits import BLOCK_SIZE
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 
 
 class PrefixCacheReplay:

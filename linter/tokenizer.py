@@ -81,12 +81,9 @@ class JsonTokenizer:
     """An exact tokenizer loaded from a Hugging Face ``tokenizer.json`` file."""
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
+        from engine.contract.chat_tokenizer import load_tokenizer_file
 
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the library raises a bare Exception on bad files
-            raise ValueError(f"cannot load tokenizer {str(path)!r}: {exc}") from None
+        self._tok = load_tokenizer_file(path)
         self.name = str(path)
 
     def encode(self, text: str) -> list[int]:
@@ -95,7 +92,7 @@ class JsonTokenizer:
 
 def bundled_tokenizer_path() -> Path:
     """Where the bundled model's tokenizer.json lives once the engine converted the model."""
-    from engine.model_store import converted_model_dir
+    from engine.contract.model_location import converted_model_dir
 
     return converted_model_dir() / "tokenizer.json"
 

@@ -52,7 +52,7 @@ def test_copied_paths_exist_and_are_not_ignored():
     copied = []
     for sources in re.findall(r"^COPY (.+) \S+$", DOCKERFILE, re.M):
         copied.extend(sources.split())
-    assert {"pyproject.toml", "LICENSE", "gateway", "engine", "linter"} <= set(copied)
+    assert {"pyproject.toml", "LICENSE", "gateway", "engine", "linter", "migrations"} <= set(copied)
     for path in copied:
         assert (ROOT / path).exists(), path
         assert path not in ignored, path

@@ -7,7 +7,7 @@ Routes (vLLM's OpenAI server surface, so the gateway can front either):
 :class:`~engine.server.request_handler.RequestHandler`.
 
 Errors are translated to OpenAI's shape here and only here (the exception
-handlers below): :class:`~engine.server.errors.APIError` keeps its status; Starlette's
+handlers below): :class:`~engine.contract.errors.APIError` keeps its status; Starlette's
 404/405 get the same shape; anything unexpected is a logged 500 ``server_error``.
 Every client mistake is a 4xx, never a 500.
 """
@@ -29,12 +29,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.contract import errors
+from engine.contract.api_key import ApiKeyGuard
+from engine.contract.body_reader import BodyLimits, BodyReader
+from engine.contract.errors import APIError
+from engine.contract.images import MediaPolicy
 from engine.core.llm_engine import LLMEngine
-from engine.server import errors
-from engine.server.api_key import ApiKeyGuard
-from engine.server.body_reader import BodyLimits, BodyReader
-from engine.server.errors import APIError
-from engine.server.images import MediaPolicy
 from engine.server.request_handler import RequestHandler
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ def create_app(engine: LLMEngine, *, media: MediaPolicy | None = None,
     """An ASGI app serving ``engine`` (already started; the caller owns its lifetime).
 
     With ``api_key`` every route but ``/health`` needs it as a bearer token
-    (:class:`~engine.server.api_key.ApiKeyGuard`). ``media`` says which remote image
+    (:class:`~engine.contract.api_key.ApiKeyGuard`). ``media`` says which remote image
     URLs are fetched (default: none, only inline data: URLs). ``body_limits`` bounds
-    request bodies (:mod:`engine.server.body_reader`); ``max_body_bytes`` is the
+    request bodies (:mod:`engine.contract.body_reader`); ``max_body_bytes`` is the
     shorthand for its size limit when it is not given."""
     limits = body_limits or BodyLimits(max_bytes=max_body_bytes)
     handler = RequestHandler(engine, media=media or MediaPolicy(), bodies=BodyReader(limits))

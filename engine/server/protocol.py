@@ -2,7 +2,7 @@
 
 :func:`parse_chat_body` and :func:`parse_completion_body` take the decoded JSON of
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` and either return a
-:class:`GenerationBody` or raise :class:`~engine.server.errors.APIError` naming the bad
+:class:`GenerationBody` or raise :class:`~engine.contract.errors.APIError` naming the bad
 field in ``param``. Nothing here touches the tokenizer or the engine; the prompt
 length checks happen in :meth:`GenerationBody.sampling_params` once the prompt is
 tokenized.
@@ -25,7 +25,7 @@ Rules (each enforced in exactly one place below):
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
   ``json_too_deep``) before anything walks it recursively: the chat template, the
   tool renderer and JSON encoders would otherwise fail with a recursion error.
-  :func:`json_too_deep` is also the gateway's check, so both servers agree.
+  :func:`engine.contract.limits.json_too_deep` is also the gateway's check, so both servers agree.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.contract.errors import context_length_exceeded, invalid_param, unsupported_param
+from engine.contract.limits import MAX_JSON_DEPTH, cache_salt_problem, too_deep_field
 from engine.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from engine.kvcache.request import MAX_CACHE_SALT_CHARS
-from engine.server.errors import context_length_exceeded, invalid_param, unsupported_param
 from engine.server.structured_output import ResponseFormat, parse_response_format
 from engine.server.tool_calls import ToolChoice, check_tools, parse_tool_choice
 
-MAX_JSON_DEPTH = 128
 MAX_STOP_STRINGS = 16
 MAX_N = 16
 NO_TOOLS = ToolChoice("none")
@@ -200,33 +199,6 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
     )
 
 
-def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when ``value`` nests objects/arrays more than ``limit`` levels deep.
-
-    ``{}`` and ``[]`` are one level, a scalar zero. Walks level by level without
-    recursion and stops as soon as the limit is passed, so a hostile body costs one
-    pass over its containers at most.
-    """
-    level: list[Any] = [value] if isinstance(value, dict | list) else []
-    for _ in range(limit):
-        if not level:
-            return False
-        children: list[Any] = []
-        for container in level:
-            items = container.values() if isinstance(container, dict) else container
-            children.extend(item for item in items if isinstance(item, dict | list))
-        level = children
-    return bool(level)
-
-
-def too_deep_field(body: dict[str, Any]) -> str | None:
-    """The first field of ``body`` that takes the body past :data:`MAX_JSON_DEPTH` levels."""
-    for name, value in body.items():
-        if json_too_deep(value, MAX_JSON_DEPTH - 1):
-            return str(name)
-    return None
-
-
 def _require_object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid_param("The request body must be a JSON object.", None, "invalid_json")
@@ -294,13 +266,10 @@ def _include_usage(obj: dict[str, Any], stream: bool) -> bool:
 def _cache_salt(value: object) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT_CHARS:
-        got = f"a string of {len(value)} characters" if isinstance(value, str) else _type_name(value)
-        raise invalid_param(
-            f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
-            f"characters, got {got}.",
-            "cache_salt",
-        )
+    problem = cache_salt_problem(value)
+    if problem is not None:
+        raise invalid_param(problem, "cache_salt")
+    assert isinstance(value, str)
     return value
 
 

@@ -3,7 +3,7 @@
 Flow of one generation request (``POST /v1/chat/completions``, ``/v1/completions``
 or ``/v1/responses``):
 
-1. the body is read by the server's :class:`~engine.server.body_reader.BodyReader`
+1. the body is read by the server's :class:`~engine.contract.body_reader.BodyReader`
    (415 unless ``application/json``, 413 past its size limit, 408 when too slow,
    429/503 past the bytes of bodies in flight per tenant and overall);
 2. in a worker thread (the event loop never decodes JSON, tokenizes or touches
@@ -11,7 +11,7 @@ or ``/v1/responses``):
    (:mod:`engine.server.protocol`; a Responses body is first translated to chat by
    :mod:`engine.server.responses`), the model name checked (404), a prompt too
    long by its size alone refused (400), the prompt rendered and tokenized
-   (:mod:`engine.server.chat`) and its length checked (400
+   (:mod:`engine.contract.chat`) and its length checked (400
    ``context_length_exceeded``), and the output grammar, if any, compiled
    (:mod:`engine.server.structured_output`, 400 ``invalid_schema``); each of the
    ``n`` choices gets its own grammar state and seed (``seed + i``);
@@ -22,7 +22,7 @@ or ``/v1/responses``):
    if the client goes away first the engine requests are cancelled, so their KV
    blocks are freed. TTFT (arrival to first token) goes to the metrics.
 
-Handlers raise :class:`~engine.server.errors.APIError`; ``engine.server.app`` turns it into
+Handlers raise :class:`~engine.contract.errors.APIError`; ``engine.server.app`` turns it into
 the response, so errors are translated in one place.
 """
 
@@ -44,20 +44,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
+from engine.contract import errors
+from engine.contract.body_reader import TENANT_HEADER, BodyReader
+from engine.contract.chat import ChatRenderer
+from engine.contract.errors import APIError
+from engine.contract.images import MediaPolicy
+from engine.contract.pixel_budget import PixelBudget
+from engine.contract.responses_request import responses_param, translate
+from engine.contract.sse import SSE_DONE, sse_event
 from engine.core.llm_engine import GenerationRequest, LLMEngine, StepOutput
 from engine.core.output_stream import TokenLogprobs
-from engine.server import errors
-from engine.server.body_reader import TENANT_HEADER, BodyReader
-from engine.server.chat import ChatRenderer
-from engine.server.errors import APIError
 from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
-from engine.server.images import MediaPolicy
 from engine.server.metrics import EngineMetrics
-from engine.server.pixel_budget import PixelBudget
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
-from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
-from engine.server.responses import ResponsesBuilder, responses_param, translate
+from engine.server.response_builder import Choice, ResponseBuilder, Usage
+from engine.server.responses import ResponsesBuilder
 from engine.server.structured_output import GRAMMAR_ERROR_PREFIX, grammar_for, schema_param
 from engine.server.tool_calls import ToolCallStream, extract_tool_calls
 

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from engine.core.output_stream import TokenLogprobs
 
 
@@ -62,14 +60,6 @@ def new_call_id() -> str:
     """A fresh id for a tool call in a response; ids never reach a prompt
     (:func:`engine.server.tool_calls.render_call` drops them)."""
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ResponseBuilder:

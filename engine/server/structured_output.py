@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.server.errors import invalid_param
+from engine.contract.errors import invalid_param
 from engine.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolChoice
 
 if TYPE_CHECKING:  # the gateway imports this package's protocol without torch or llguidance

@@ -1,7 +1,7 @@
 """ToolChoice and the tool-call convention: how tools are requested, written and parsed.
 
 The bundled SmolLM2 chat template has no tool support, so tools reach the prompt
-through :mod:`engine.server.chat`'s system-message convention, and the model is
+through :mod:`engine.contract.chat`'s system-message convention, and the model is
 told to answer a call as one line per call (the Hermes convention that vLLM's
 ``hermes`` tool parser reads)::
 
@@ -23,21 +23,15 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.server.errors import invalid_param
+from engine.contract.errors import invalid_param
+from engine.contract.tool_call_format import CALL_CLOSE, CALL_OPEN
 from engine.server.response_builder import new_call_id
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
-CALL_INSTRUCTIONS = (
-    "To call a tool, answer only with one line per call, in this exact form: "
-    f'{CALL_OPEN}{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}{CALL_CLOSE}'
-)
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
 
@@ -175,22 +169,6 @@ def _parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
         return None
     return {"id": new_call_id(), "type": "function",
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-
-
-def render_call(call: dict[str, Any]) -> str:
-    """An assistant message's tool call, written back in the convention above: ``name``
-    then ``arguments``, the arguments' members in their order, ``json.dumps``'s default
-    spacing. A call the model wrote in the convention thus renders as the very tokens it
-    generated, and the next turn's prompt continues the cached prefix through it."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict):
-        return json.dumps(call, ensure_ascii=False, sort_keys=True)
-    args: Any = fn.get("arguments")
-    if isinstance(args, str):
-        with contextlib.suppress(ValueError):
-            args = json.loads(args)
-    body = {"name": fn.get("name"), "arguments": args}
-    return CALL_OPEN + json.dumps(body, ensure_ascii=False) + CALL_CLOSE
 
 
 class ToolCallStream:

@@ -31,8 +31,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def resolve_db_url(args: argparse.Namespace) -> str:
-    from gateway.database import default_db_url
-    from gateway.launcher import default_data_dir
+    from gateway.server.launcher import default_data_dir
+    from gateway.stats.database import default_db_url
 
     return str(args.db_url or default_db_url(args.data_dir or default_data_dir()))
 
@@ -79,7 +79,7 @@ def open_existing(url: str) -> Engine:
 def run(args: argparse.Namespace) -> int:
     from alembic.util.exc import CommandError
 
-    from gateway import database
+    from gateway.stats import database
 
     url = resolve_db_url(args)
     try:

@@ -6,8 +6,8 @@ import argparse
 import contextlib
 from typing import Any
 
-from gateway.launcher import add_common_options
-from gateway.replica_spec import add_routing_options
+from gateway.config.replica_spec import add_routing_options
+from gateway.server.launcher import add_common_options
 
 EPILOG = """examples:
   prefixgate gateway --upstream http://127.0.0.1:8001 --config gateway.toml --port 8000 --workers 2
@@ -57,12 +57,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from gateway.launcher import build_settings, configure_logging, fail, run_gateway
-    from gateway.metrics import METRICS_HOST
-    from gateway.ports import ensure_free
-    from gateway.replica_spec import parse_upstream_arg
-    from gateway.supervisor import default_workers
-    from gateway.upstream_kind import API_KEY_ENV, check_isolation, resolve_kind
+    from gateway.config.replica_spec import parse_upstream_arg
+    from gateway.server.launcher import build_settings, fail, run_gateway
+    from gateway.server.ports import ensure_free
+    from gateway.server.process_setup import configure_logging
+    from gateway.server.supervisor import default_workers
+    from gateway.stats.metrics import METRICS_HOST
+    from gateway.upstream.kinds import API_KEY_ENV, check_isolation, resolve_kind
 
     try:
         ensure_free(args.host, args.port, "gateway")

@@ -1,6 +1,6 @@
 """``prefixgate keys create``: a new tenant (or admin) API key, printed once;
 ``prefixgate keys label``: the name the dashboard and ``prefixgate stats`` show for a
-key's tenant in open mode (:mod:`gateway.tenant_names`)."""
+key's tenant in open mode (:mod:`gateway.policy.tenant_names`)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.api_key import generate_key, hash_key
-    from gateway.config import NAME_PATTERN
-    from gateway.config_editor import add_key_hash
-    from gateway.tenant_names import label_of_key
+    from gateway.config.config_file import NAME_PATTERN
+    from gateway.config.editor import add_key_hash
+    from gateway.policy.api_key import generate_key, hash_key
+    from gateway.policy.tenant_names import label_of_key
 
     if args.admin == (args.tenant is not None):
         print("prefixgate keys create: error: give a TENANT name or --admin (not both)", file=sys.stderr)
@@ -88,7 +88,7 @@ def _warn_if_exposed(path: Path) -> None:
     """A warning on stderr when ``path`` holds the server secret and others can read it."""
     import tomllib
 
-    from gateway.salt import exposed_secret_warning
+    from gateway.policy.salt import exposed_secret_warning
 
     try:
         with path.open("rb") as handle:
@@ -101,7 +101,7 @@ def _warn_if_exposed(path: Path) -> None:
 
 
 def run_label(args: argparse.Namespace) -> int:
-    from gateway.tenant_names import label_of_key, open_tenant_id
+    from gateway.policy.tenant_names import label_of_key, open_tenant_id
 
     key = sys.stdin.readline().strip()
     if not key:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gateway.launcher import add_common_options
-from gateway.replica_spec import add_routing_options
+from gateway.config.replica_spec import add_routing_options
+from gateway.server.launcher import add_common_options
 
 EPILOG = """examples:
   prefixgate serve --port 8000 --engine-port 8001
@@ -76,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
-    from gateway import runtime_dir
-    from gateway.engine_process import EngineProcess, EngineStartError
-    from gateway.launcher import build_settings, fail, run_gateway
-    from gateway.metrics import METRICS_HOST
-    from gateway.ports import ensure_free
-    from gateway.replica_spec import local_replicas
+    from gateway.config import runtime_dir
+    from gateway.config.replica_spec import local_replicas
+    from gateway.server.engine_process import EngineProcess, EngineStartError
+    from gateway.server.launcher import build_settings, fail, run_gateway
+    from gateway.server.ports import ensure_free
+    from gateway.stats.metrics import METRICS_HOST
 
     runtime_dir.clean_stale()  # what a run killed with SIGKILL left behind
     events_dir = runtime_dir.create("kv-events")  # 0700: events name tokens

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import orjson
 
     from gateway.commands.db import open_existing, resolve_db_url
-    from gateway.stats_report import format_table, per_tenant_model_hour
+    from gateway.stats.report import format_table, per_tenant_model_hour
 
     since = None
     if args.since is not None:
@@ -75,7 +75,7 @@ def _fail(message: str) -> int:
 def _print_replicas(engine: Any, since: Any, output: str) -> int:
     import orjson
 
-    from gateway.stats_report import format_replica_table, per_replica
+    from gateway.stats.report import format_replica_table, per_replica
 
     groups = per_replica(engine, since)
     if output == "json":

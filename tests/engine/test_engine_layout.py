@@ -7,15 +7,19 @@ functions, ``TYPE_CHECKING`` blocks included) with ``ast``; nothing is imported.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 ALLOWED = {  # subpackage -> subpackages it may import (besides itself)
     "kvcache": set(),
+    # what engine, gateway and linter share byte for byte: torch-free (see the test below)
+    "contract": {"kvcache"},
     "model": {"kvcache", "config", "model_store", "multimodal"},
     "core": {"model", "kvcache", "config", "multimodal"},
-    "server": {"core", "kvcache", "config", "structured", "image_content", "multimodal"},
-    "multimodal": {"kvcache"},  # processor, vision tower, encoder cache: torch + transformers
+    "server": {"core", "kvcache", "config", "structured", "contract", "multimodal"},
+    "multimodal": {"kvcache", "contract"},  # processor, vision tower, encoder cache: torch + transformers
     "structured": set(),  # grammar-constrained decoding: llguidance + torch, nothing of ours
 }
 
@@ -82,3 +86,17 @@ def test_no_import_cycles():
     for node in edges:
         if node not in state:
             visit(node, [])
+
+
+def test_the_contract_imports_no_torch():
+    """The gateway and the linter import engine.contract: importing all of it loads
+    neither torch nor transformers (nor anything of the engine's server, core or model)."""
+    contract = sorted(module_name(p) for p in (ENGINE / "contract").glob("*.py"))
+    assert len(contract) >= 10, contract
+    code = (f"import sys; import {', '.join(contract)}; "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith(('engine.server', 'engine.core', 'engine.model.', 'engine.multimodal', "
+            "'engine.structured', 'engine.model_store'))); print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ENGINE.parent)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -19,11 +18,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from support.net import free_port
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig, parse_config
-from gateway.database import default_db_url, upgrade
-from gateway.settings import GatewaySettings
+from gateway.config.config_file import GatewayConfig, parse_config
+from gateway.server.app import create_app
+from gateway.server.settings import GatewaySettings
+from gateway.stats.database import default_db_url, upgrade
 
 SECRET = b"test-secret-0123456789abcdef0123456789"
 
@@ -150,11 +150,6 @@ def wait_healthy(
         time.sleep(interval)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 @contextlib.contextmanager
 def serve_in_thread(app: Any) -> Iterator[str]:
@@ -179,8 +174,8 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 def rows(db_url: str) -> list[Any]:
     from sqlalchemy import select
 
-    from gateway.database import create_db_engine
-    from gateway.stats_table import request_log
+    from gateway.stats.database import create_db_engine
+    from gateway.stats.table import request_log
 
     engine = create_db_engine(db_url)
     try:

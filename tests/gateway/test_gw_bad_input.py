@@ -8,7 +8,7 @@ import httpx
 import pytest
 from gw_fakes import gateway_client, make_settings, rows
 
-from gateway.api_key import hash_key
+from gateway.policy.api_key import hash_key
 
 CONFIG = {"server": {"max_body_bytes": 8192}, "tenants": {"alpha": {"keys": [hash_key("k")]}}}
 HEADERS = {"authorization": "Bearer k", "content-type": "application/json"}

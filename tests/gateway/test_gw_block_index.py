@@ -6,10 +6,10 @@ import msgpack
 import pytest
 
 from engine.kvcache.block_hash import hash_block_chain
-from gateway.block_index import ReplicaIndex
-from gateway.block_keys import RequestKeys
-from gateway.kv_events import apply_events, decode_batch
-from gateway.router import Router
+from gateway.routing.block_index import ReplicaIndex
+from gateway.routing.block_keys import RequestKeys
+from gateway.routing.kv_events import apply_events, decode_batch
+from gateway.routing.router import Router
 
 BS = 4
 

@@ -17,9 +17,9 @@ import openai
 import pytest
 from gw_fakes import FakeUpstream, gateway_client, make_settings, rows, serve_in_thread
 
-from gateway.api_key import hash_key
-from gateway.app import create_app
-from gateway.proxy import Proxy
+from gateway.policy.api_key import hash_key
+from gateway.proxy.handler import Proxy
+from gateway.server.app import create_app
 
 KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -19,11 +19,12 @@ import sys
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, wait_healthy
+from gw_fakes import wait_healthy
 from pydantic import BaseModel
+from support.net import free_port
 
-from gateway.api_key import hash_key
-from gateway.config import CanonicalizeSwitches
+from gateway.config.config_file import CanonicalizeSwitches
+from gateway.policy.api_key import hash_key
 
 pytestmark = pytest.mark.real_model
 

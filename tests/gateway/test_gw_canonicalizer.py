@@ -9,8 +9,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canonicalizer import STEP_NAMES, canonicalize
-from gateway.config import CanonicalizeSwitches
+from gateway.config.config_file import CanonicalizeSwitches
+from gateway.policy.canonicalizer import STEP_NAMES, canonicalize
 
 ALL = CanonicalizeSwitches(tool_order=True, tool_result_order=True)  # every step (both order steps are opt-in)
 NONE = CanonicalizeSwitches(*(False,) * len(CanonicalizeSwitches.__dataclass_fields__))

@@ -1,7 +1,7 @@
 """The gateway's token ids equal the engine's, request for request.
 
-The engine renders with ``engine.chat.ChatRenderer`` over a ``transformers``
-tokenizer; the gateway over ``gateway.chat_tokenizer.ChatTokenizer`` (tokenizers +
+The engine renders with ``engine.contract.chat.ChatRenderer`` over a ``transformers``
+tokenizer; the gateway over ``engine.contract.chat_tokenizer.ChatTokenizer`` (tokenizers +
 jinja2). Both are run on the same requests: the bundled SmolLM2 template (which
 ignores tools, so they are inlined) and a tools-aware template written into a copy
 of the model directory (so the template path with ``tools`` and ``tojson`` runs).
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from engine.server.chat import ChatRenderer
-from gateway.block_keys import BlockKeyer
-from gateway.chat_tokenizer import ChatTokenizer
+from engine.contract.chat import ChatRenderer
+from engine.contract.chat_tokenizer import ChatTokenizer
+from gateway.routing.block_keys import BlockKeyer
 
 pytestmark = pytest.mark.real_model
 
@@ -181,7 +181,7 @@ def test_image_requests_get_the_engines_keys_up_to_the_message_of_their_first_im
     from transformers import AutoTokenizer
 
     from engine import hash_block_chain
-    from engine.server.chat import ImagePlaceholder
+    from engine.contract.chat import ImagePlaceholder
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     placeholder = ImagePlaceholder("<jupyter_text>", tokenizer.convert_tokens_to_ids("<jupyter_text>"), 40)

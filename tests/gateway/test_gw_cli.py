@@ -10,11 +10,12 @@ import sys
 import tomllib
 
 import httpx
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+from gw_fakes import FakeUpstream, rows, serve_in_thread, wait_healthy
+from support.net import free_port
 
-from gateway.api_key import hash_key
-from gateway.config import parse_config
-from gateway.database import default_db_url
+from gateway.config.config_file import parse_config
+from gateway.policy.api_key import hash_key
+from gateway.stats.database import default_db_url
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 

@@ -10,11 +10,11 @@ import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
-from gw_fakes import free_port
 from sqlalchemy import insert
+from support.net import free_port
 
-from gateway import database
-from gateway.stats_table import request_log
+from gateway.stats import database
+from gateway.stats.table import request_log
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 

@@ -6,11 +6,16 @@ import tomllib
 
 import pytest
 
-from gateway.api_key import generate_key, hash_key, key_matches
-from gateway.authenticator import Authenticator
-from gateway.config import CanonicalizeSwitches, GatewayConfig, load_config, parse_config
-from gateway.config_editor import add_key_hash
+from gateway.config.config_file import (
+    CanonicalizeSwitches,
+    GatewayConfig,
+    load_config,
+    parse_config,
+)
+from gateway.config.editor import add_key_hash
 from gateway.errors import Forbidden, Unauthorized
+from gateway.policy.api_key import generate_key, hash_key, key_matches
+from gateway.policy.authenticator import Authenticator
 
 EXAMPLE = f"""
 [server]
@@ -83,7 +88,7 @@ def test_bad_config_names_the_field(data, message):
 
 
 def test_body_limits_come_from_the_server_table():
-    from engine.server.body_reader import BodyLimits
+    from engine.contract.body_reader import BodyLimits
 
     config = parse_config({"server": {"max_body_bytes": 1000, "inflight_body_bytes": 5000,
                                       "tenant_inflight_body_bytes": 2000, "body_timeout_s": 30,

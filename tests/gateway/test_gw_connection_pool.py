@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.connection_pool import ConnectionPool
+from gateway.upstream.connection_pool import ConnectionPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=4.0)
@@ -310,7 +310,7 @@ def test_an_idle_connection_the_upstream_dropped_is_not_reused_before_the_loop_n
 def test_an_upstream_cookie_never_travels_with_the_next_request():
     """The gateway's one client serves every tenant: a Set-Cookie from the upstream must not
     come back on anyone's next request (upstream.py sends through the transport, no cookie jar)."""
-    from gateway.upstream import Upstream
+    from gateway.upstream.client import Upstream
 
     heads: list[bytes] = []
 

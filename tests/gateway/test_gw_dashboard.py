@@ -16,10 +16,10 @@ import pytest
 from gw_fakes import gateway_client, make_settings
 from sqlalchemy import insert
 
-from gateway import database
-from gateway.api_key import hash_key
-from gateway.dashboard.summary import parse_hours
-from gateway.stats_table import request_log
+from gateway.policy.api_key import hash_key
+from gateway.stats import database
+from gateway.stats.dashboard.summary import parse_hours
+from gateway.stats.table import request_log
 
 ADMIN, TENANT = "pg-admin-key", "pg-alpha-key"
 CONFIG = {
@@ -143,7 +143,7 @@ def test_parse_hours():
 
 def open_rows(now: datetime, keys: list[str]) -> list[dict[str, Any]]:
     """One streamed row per key in open mode (tenant ``open_tenant_id(key)``), key i sending i+1 rows."""
-    from gateway.tenant_names import open_tenant_id
+    from gateway.policy.tenant_names import open_tenant_id
 
     return [{"time": now - timedelta(minutes=i % 50), "tenant": open_tenant_id(key), "endpoint": "chat.completions",
              "model": "smol", "upstream": "http://u", "status": 200, "stream": True, "prompt_tokens": 100,
@@ -153,7 +153,7 @@ def open_rows(now: datetime, keys: list[str]) -> list[dict[str, Any]]:
 
 
 def test_open_mode_tenants_are_labelled_and_charted_top_ten_plus_others(tmp_path):
-    from gateway.tenant_names import label_of_key, open_tenant_id
+    from gateway.policy.tenant_names import label_of_key, open_tenant_id
 
     settings = make_settings(tmp_path)
     now = seed(settings.db_url)

@@ -18,10 +18,10 @@ from gw_fakes import make_settings, serve_in_thread
 from sqlalchemy import insert, text
 from test_gw_dashboard import ADMIN, CONFIG, open_rows, seed
 
-from gateway import database
-from gateway.app import create_app
-from gateway.stats_table import request_log
-from gateway.tenant_names import label_of_key, open_tenant_id
+from gateway.policy.tenant_names import label_of_key, open_tenant_id
+from gateway.server.app import create_app
+from gateway.stats import database
+from gateway.stats.table import request_log
 
 pytestmark = [
     pytest.mark.skipif(chromium_binary() is None, reason="no Chromium here (apt-get install chromium)"),

@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
-from gw_fakes import free_port
+from support.net import free_port
 
-from gateway.engine_process import MAX_RESTARTS, EngineProcess, EngineStartError
+from gateway.server.engine_process import MAX_RESTARTS, EngineProcess, EngineStartError
 
 
 def process_running(code: str) -> EngineProcess:
@@ -99,7 +99,7 @@ def test_the_child_dies_with_its_parent_even_after_sigkill(tmp_path):
     parent_code = f"""
 import sys, time
 sys.path.insert(0, {os.getcwd()!r})
-from gateway.engine_process import EngineProcess
+from gateway.server.engine_process import EngineProcess
 engine = EngineProcess(1)
 engine.command = [sys.executable, "-c", "import time; time.sleep(600)"]
 engine.start()

@@ -11,8 +11,9 @@ import httpx
 import orjson
 import pytest
 from gw_fakes import FakeUpstream, gateway_client, make_settings, rows, serve_in_thread
+from support.sse import sse_events
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -69,7 +70,7 @@ def test_upstream_invalid_json_becomes_502(tmp_path, fake_upstream):
 
 
 def test_upstream_connection_refused_on_real_loopback(tmp_path):
-    from gw_fakes import free_port
+    from support.net import free_port
 
     port = free_port()  # nothing listens there
     settings, response = call(tmp_path, httpx.AsyncHTTPTransport())
@@ -94,7 +95,7 @@ def test_upstream_disconnect_mid_stream_ends_with_an_error_event(tmp_path):
     transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=CutStream()))
     settings, response = call(tmp_path, transport, {**CHAT, "stream": True})
     assert response.status_code == 200  # headers were already sent
-    events = [e for e in response.text.split("\n\n") if e]
+    events = sse_events(response.text)
     assert orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
     error = orjson.loads(events[-2][6:])["error"]
     assert error["code"] == "upstream_error" and "RemoteProtocolError" in error["message"]
@@ -137,7 +138,7 @@ def test_malformed_upstream_event_ends_the_stream_with_an_error_event_and_a_502_
     settings, response = call(tmp_path, httpx.MockTransport(lambda r: httpx.Response(200, stream=Malformed())),
                               {**CHAT, "stream": True})
     assert response.status_code == 200  # headers were already sent
-    events = [e for e in response.text.split("\n\n") if e]
+    events = sse_events(response.text)
     assert len(events) == 3 and orjson.loads(events[0][6:])["choices"][0]["delta"]["content"] == "par"
     assert events[2] == "data: [DONE]"
     body = orjson.loads(events[1][6:])
@@ -225,7 +226,7 @@ def test_a_responses_stream_ending_in_an_error_event_gets_nothing_appended(tmp_p
             return settings, await gw.post("/v1/responses", json=body)
 
     settings, response = asyncio.run(go())
-    events = [e for e in response.text.split("\n\n") if e]
+    events = sse_events(response.text)
     assert len(events) == 2 and events[-1].startswith("event: error\n")
     assert orjson.loads(events[-1].split("data: ", 1)[1])["code"] == "invalid_schema"
     assert '"error":' not in response.text and "[DONE]" not in response.text
@@ -246,7 +247,7 @@ def test_a_responses_stream_cut_short_ends_with_a_responses_error_event(tmp_path
             return settings, await gw.post("/v1/responses", json=body)
 
     settings, response = asyncio.run(go())
-    events = [e for e in response.text.split("\n\n") if e]
+    events = sse_events(response.text)
     assert len(events) == 2 and events[-1].startswith("event: error\n")
     payload = orjson.loads(events[-1].split("data: ", 1)[1])
     assert payload["type"] == "error" and payload["sequence_number"] == 1

@@ -14,8 +14,8 @@ import pytest
 from gw_fakes import gateway_client, make_settings, rows
 
 from gateway.cli import main
-from gateway.config import load_config
-from gateway.database import create_db_engine, default_db_url, upgrade
+from gateway.config.config_file import load_config
+from gateway.stats.database import create_db_engine, default_db_url, upgrade
 
 
 def mode(path) -> int:

@@ -15,14 +15,14 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gw_fakes import free_port
+from support.net import free_port
 
 from engine.kvcache.block_hash import hash_block_chain
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.kvcache.request import Request
 from engine.server.kv_event_publisher import KvEventPublisher, KVEventsConfig
-from gateway.block_index import ReplicaIndex
-from gateway.kv_events import EventSource, KvEventSubscriber
+from gateway.routing.block_index import ReplicaIndex
+from gateway.routing.kv_events import EventSource, KvEventSubscriber
 
 BS = 4
 

@@ -16,11 +16,11 @@ import pytest
 from gw_fake_openai import API_KEY, FakeOpenAI
 from gw_fakes import SECRET, make_settings, rows
 
-from gateway.api_key import hash_key
-from gateway.app import create_app
-from gateway.config import parse_config
-from gateway.settings import GatewaySettings
-from gateway.upstream_kind import prompt_cache_key, resolve_kind, scoped_body
+from gateway.config.config_file import parse_config
+from gateway.policy.api_key import hash_key
+from gateway.server.app import create_app
+from gateway.server.settings import GatewaySettings
+from gateway.upstream.kinds import prompt_cache_key, resolve_kind, scoped_body
 
 KEYS = {"acme": "pg-acme-key", "beta": "pg-beta-key", "gamma": "pg-gamma-key", "delta": "pg-delta-key"}
 CONFIG = {
@@ -223,7 +223,8 @@ def test_the_gateway_command_fronts_openai_over_real_http(tmp_path):
     import subprocess
     import sys
 
-    from gw_fakes import free_port, serve_in_thread, wait_healthy
+    from gw_fakes import serve_in_thread, wait_healthy
+    from support.net import free_port
 
     fake = FakeOpenAI()
     port = free_port()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import linter.api
-from gateway import prefix_warner
-from gateway.prefix_warner import PrefixWarner
+from gateway.policy import lint_check
+from gateway.policy.prefix_warner import PrefixWarner
 from linter.api import conversation_keys
 
 SYSTEM = {"role": "system", "content": "You answer questions about the billing system of the shop."}
@@ -79,8 +79,8 @@ def test_a_failing_linter_never_fails_the_request(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("rule crashed")
 
-    monkeypatch.setattr(prefix_warner, "check_request", boom)
-    monkeypatch.setattr(prefix_warner, "compare_requests", boom)
+    monkeypatch.setattr(lint_check, "check_request", boom)  # the check itself lives there
+    monkeypatch.setattr(lint_check, "compare_requests", boom)
     warner = PrefixWarner()
     body = turn("a")
     assert warner.check("t", body, body, body_size=1) == []

@@ -7,11 +7,13 @@ import asyncio
 
 import httpx
 import orjson
-from gw_fakes import SECRET, free_port, gateway_client, make_settings, rows, serve_in_thread
+from gw_fakes import SECRET, gateway_client, make_settings, rows, serve_in_thread
+from support.net import free_port
+from support.sse import sse_data, sse_events
 
-from gateway.api_key import hash_key
-from gateway.prefix_warner import CONVERSATION_HEADER
-from gateway.salt import derive_cache_salt
+from gateway.policy.api_key import hash_key
+from gateway.policy.prefix_warner import CONVERSATION_HEADER
+from gateway.policy.salt import derive_cache_salt
 
 KEY_A, KEY_B, ADMIN = "key-a-secret", "key-b-secret", "admin-secret"
 CONFIG = {
@@ -250,7 +252,7 @@ def test_streaming_relays_chunks_strips_injected_usage_and_records_it(tmp_path, 
 
     settings, plain, with_usage = run(go())
     assert fake_upstream.bodies[0]["stream_options"] == {"include_usage": True}
-    events = [e for e in plain.text.split("\n\n") if e]
+    events = sse_events(plain.text)
     assert events[-1] == "data: [DONE]"
     chunks = [orjson.loads(e[len("data: "):]) for e in events[:-1]]
     assert all("usage" not in c for c in chunks), "the injected usage must not reach the client"
@@ -259,7 +261,7 @@ def test_streaming_relays_chunks_strips_injected_usage_and_records_it(tmp_path, 
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert "PS101" in {w["code"] for w in chunks[-1]["prefix_warnings"]}
     assert "PS101" in plain.headers["x-prefixgate-warnings"]
-    asked = [orjson.loads(e[len("data: "):]) for e in with_usage.text.split("\n\n") if e and "[DONE]" not in e]
+    asked = sse_data(with_usage.text)
     assert asked[-1]["choices"] == [] and asked[-1]["usage"]["prompt_tokens"] > 0
     assert "prefix_warnings" in asked[-1]
     logged = rows(settings.db_url)
@@ -308,7 +310,7 @@ def test_health_and_metrics(tmp_path, fake_upstream):
 def test_metrics_port_serves_metrics_without_a_key_on_its_own_port(tmp_path, fake_upstream):
     import dataclasses
 
-    from gateway.app import create_app
+    from gateway.server.app import create_app
 
     metrics_port = free_port()
     with serve_in_thread(fake_upstream.app) as upstream:
@@ -377,7 +379,7 @@ def test_large_bodies_are_parsed_and_canonicalized_off_the_event_loop(tmp_path, 
     """Past 64 KiB, parsing, canonicalization and encoding the upstream body run on a
     thread (they grow with the body); small bodies stay on the loop (a hand-off costs
     more than they do). The answer is the same either way."""
-    import gateway.proxy as proxy
+    import gateway.proxy.handler as proxy
 
     seen: list[tuple[int, bool]] = []
     real = proxy.canonicalize

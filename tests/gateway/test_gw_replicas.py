@@ -9,11 +9,12 @@ import threading
 
 import httpx
 import pytest
-from gw_fakes import FakeUpstream, free_port, make_settings, rows, serve_in_thread
+from gw_fakes import FakeUpstream, make_settings, rows, serve_in_thread
+from support.net import free_port
 
-from gateway.app import create_app
-from gateway.replica_spec import ReplicaSpec, RoutingOptions
-from gateway.replicas import ReplicaSet
+from gateway.config.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.routing.replicas import ReplicaSet
+from gateway.server.app import create_app
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -163,7 +164,7 @@ def test_a_replica_that_answers_badly_leaves_only_after_repeated_failures(tmp_pa
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from gateway.replicas import FAILURES_TO_LEAVE
+    from gateway.routing.replicas import FAILURES_TO_LEAVE
 
     state = {"status": 503}
 

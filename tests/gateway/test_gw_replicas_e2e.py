@@ -16,9 +16,10 @@ import time
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, rows, wait_healthy
+from gw_fakes import rows, wait_healthy
+from support.net import free_port
 
-from gateway.database import default_db_url
+from gateway.stats.database import default_db_url
 
 pytestmark = pytest.mark.real_model
 

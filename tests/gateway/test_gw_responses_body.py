@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.canonicalizer import canonicalize
-from gateway.config import CanonicalizeSwitches
+from gateway.config.config_file import CanonicalizeSwitches
+from gateway.policy.canonicalizer import canonicalize
+from gateway.proxy.sse_relay import SseRelay
 from gateway.request_record import RequestRecord
-from gateway.responses_body import canonical_chat_view, canonicalize_responses, chat_view
-from gateway.sse_relay import SseRelay
+from gateway.responses.body import canonical_chat_view, canonicalize_responses, chat_view
 from linter.api import compare_requests
 
 TOOLS = [{"type": "function", "name": "zeta", "parameters": {"type": "object", "properties": {}}},

@@ -22,10 +22,11 @@ from typing import Any
 
 import openai
 import pytest
-from gw_fakes import free_port, rows, wait_healthy
+from gw_fakes import rows, wait_healthy
+from support.net import free_port
 
-from gateway.api_key import hash_key
-from gateway.database import default_db_url
+from gateway.policy.api_key import hash_key
+from gateway.stats.database import default_db_url
 
 pytestmark = pytest.mark.real_model
 

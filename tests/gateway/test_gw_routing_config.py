@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect
 
-from gateway import database
-from gateway.config import parse_config
-from gateway.replica_spec import local_replicas, parse_upstream_arg
+from gateway.config.config_file import parse_config
+from gateway.config.replica_spec import local_replicas, parse_upstream_arg
 from gateway.request_record import RequestRecord
-from gateway.stats_report import per_replica
-from gateway.stats_writer import StatsWriter
+from gateway.stats import database
+from gateway.stats.report import per_replica
+from gateway.stats.writer import StatsWriter
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 

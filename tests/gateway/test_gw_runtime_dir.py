@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 
-from gateway import runtime_dir
+from gateway.config import runtime_dir
 
 OWNER = """
 import sys
 sys.path.insert(0, {root!r})
-from gateway import runtime_dir
+from gateway.config import runtime_dir
 print(runtime_dir.create("kv-events"), flush=True)
 sys.stdin.read()
 """

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config import Tenant
-from gateway.salt import derive_cache_salt, load_or_create_secret
+from gateway.config.config_file import Tenant
+from gateway.policy.salt import derive_cache_salt, load_or_create_secret
 
 SECRET = b"s" * 32
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,10}", fullmatch=True)

@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from gateway.errors import GatewayError, UpstreamError
+from gateway.proxy.sse_relay import SseRelay
 from gateway.request_record import RequestRecord
-from gateway.sse_relay import SseRelay
 
 WARNINGS = [{"code": "PS101", "message": "m", "location": "messages[0]"}]
 

@@ -20,9 +20,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from support.sse import sse_events
 
-from gateway.app import create_app
-from gateway.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.config.replica_spec import ReplicaSpec, RoutingOptions
+from gateway.server.app import create_app
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 IDLE = {"upstream_idle_timeout_s": 0.5}
@@ -159,7 +160,7 @@ def test_a_stream_that_stops_mid_way_ends_with_an_error_event(tmp_path) -> None:
         finally:
             frozen.unblock()
     assert response.status_code == 200  # the head was sent before the stall
-    events = [line for line in response.text.split("\n\n") if line]
+    events = sse_events(response.text)
     assert '"he"' in events[0]
     assert events[-1] == "data: [DONE]"  # a failed chat stream ends as the engine and vLLM end one
     last = orjson.loads(events[-2].removeprefix("data: "))

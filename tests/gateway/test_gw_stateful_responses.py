@@ -29,17 +29,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import inspect
 
-from gateway import database
-from gateway.api_key import hash_key
-from gateway.app import create_app
-from gateway.response_store import (
+from gateway.policy.api_key import hash_key
+from gateway.responses.store import (
     ResponseLimits,
     ResponseStore,
     StoredResponse,
     join_arrays,
     parse_ttl,
 )
-from gateway.settings import GatewaySettings
+from gateway.server.app import create_app
+from gateway.server.settings import GatewaySettings
+from gateway.stats import database
 
 MODEL = "tiny-llama"
 KEYS = {"acme": "pg-acme-key-0123", "beta": "pg-beta-key-0123"}
@@ -449,7 +449,7 @@ def test_a_bad_responses_option_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys
 
-    from gw_fakes import free_port
+    from support.net import free_port
 
     for option, value in (("--responses-ttl", "3w"), ("--responses-max-turns", "0")):
         done = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--upstream", "http://127.0.0.1:9",

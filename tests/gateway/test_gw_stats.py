@@ -13,11 +13,11 @@ import orjson
 from gw_fakes import gateway_client, make_settings, rows
 from sqlalchemy import inspect
 
-from gateway import database
-from gateway.api_key import hash_key
+from gateway.policy.api_key import hash_key
 from gateway.request_record import RequestRecord
-from gateway.stats_report import per_tenant_model_hour
-from gateway.stats_writer import StatsWriter
+from gateway.stats import database
+from gateway.stats.report import per_tenant_model_hour
+from gateway.stats.writer import StatsWriter
 
 HEAD = "2026_11_24_stored_responses"
 
@@ -130,8 +130,8 @@ def test_table_definition_matches_the_migrations(tmp_path):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    import gateway.response_store  # noqa: F401  (its table joins the metadata)
-    from gateway.stats_table import metadata
+    import gateway.responses.store  # noqa: F401  (its table joins the metadata)
+    from gateway.stats.table import metadata
 
     url = database.default_db_url(tmp_path)
     database.upgrade(url)

@@ -25,9 +25,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gw_fakes import free_port, wait_healthy
+from gw_fakes import wait_healthy
+from support.net import free_port
 
-from gateway.ports import ensure_free
+from gateway.server.ports import ensure_free
 
 pytestmark = pytest.mark.real_model
 

@@ -12,8 +12,8 @@ import orjson
 import pytest
 from gw_fakes import gateway_client, make_settings
 
-from engine.server.body_reader import TENANT_HEADER
-from gateway.api_key import hash_key
+from engine.contract.body_reader import TENANT_HEADER
+from gateway.policy.api_key import hash_key
 
 KEY = "pg-acme-key-0123"
 CHAT = {"id": "chatcmpl-1", "object": "chat.completion", "model": "m", "created": 0,

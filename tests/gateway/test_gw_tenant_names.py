@@ -11,12 +11,12 @@ import os
 
 import pytest
 
-from gateway.authenticator import Authenticator
 from gateway.cli import main
 from gateway.commands import gateway as gateway_command
-from gateway.config import NAME_PATTERN, GatewayConfig
-from gateway.launcher import build_settings
-from gateway.tenant_names import LABEL_HEX, label_of_key, labels, open_tenant_id
+from gateway.config.config_file import NAME_PATTERN, GatewayConfig
+from gateway.policy.authenticator import Authenticator
+from gateway.policy.tenant_names import LABEL_HEX, label_of_key, labels, open_tenant_id
+from gateway.server.launcher import build_settings
 
 
 def test_open_mode_tenant_ids_carry_128_bits_of_the_key_hash():
@@ -100,13 +100,13 @@ def test_the_gateway_warns_about_a_readable_secret_file(tmp_path, monkeypatch, c
     settings = build_settings(_args(tmp_path, config), None)
     assert len(settings.startup_warnings) == 1 and str(exposed) in settings.startup_warnings[0]
     assert "readable by everyone" in settings.startup_warnings[0]
-    from gateway import launcher
+    from gateway.server import launcher
 
     def stop(*args, **kwargs):
         raise SystemExit(0)
 
-    monkeypatch.setattr("gateway.app.create_app", stop)  # after the start-up lines, before serving
-    with caplog.at_level(logging.WARNING, logger="gateway.launcher"), pytest.raises(SystemExit):
+    monkeypatch.setattr("gateway.server.app.create_app", stop)  # after the start-up lines, before serving
+    with caplog.at_level(logging.WARNING, logger="gateway.server.launcher"), pytest.raises(SystemExit):
         launcher.run_gateway(settings, "127.0.0.1", 0)
     assert [r.getMessage() for r in caplog.records if "server secret" in r.getMessage()] == [
         settings.startup_warnings[0]]

@@ -18,11 +18,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from gw_fakes import free_port, gateway_client, make_settings, rows
+from gw_fakes import gateway_client, make_settings, rows
+from support.net import free_port
 
-from gateway.api_key import hash_key
-from gateway.config import Tenant
-from gateway.upstream_kind import check_isolation, openai_usage, scoped_body
+from gateway.config.config_file import Tenant
+from gateway.policy.api_key import hash_key
+from gateway.upstream.kinds import check_isolation, openai_usage, scoped_body
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 KEY = "pg-acme-key-0123"

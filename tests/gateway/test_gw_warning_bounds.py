@@ -8,8 +8,9 @@ import time
 
 import orjson
 
-from gateway.prefix_warner import BUDGET_CODE, PrefixWarner, PrefixWarning, bound_warnings
-from gateway.shared_history import HistoryClient, HistoryServer
+from gateway.policy.lint_check import PrefixWarning, bound_warnings
+from gateway.policy.prefix_warner import BUDGET_CODE, PrefixWarner
+from gateway.policy.shared_history import HistoryClient, HistoryServer
 from linter.api import conversation_keys
 
 DATES = "Meeting on 2026-11-23 at 10:42:17, next on 2026-11-24. "
@@ -236,7 +237,7 @@ def nine_image_turns(count: int) -> list[dict]:
 
 
 def test_pixel_rate_refills_per_second_and_caps_each_request():
-    from gateway.pixel_rate import PixelRate
+    from gateway.policy.pixel_rate import PixelRate
 
     now = [0.0]
     rate = PixelRate(per_request=100, per_second=300, clock=lambda: now[0])
@@ -259,7 +260,7 @@ def test_images_are_decoded_in_the_helper_within_the_tenants_pixel_rate(monkeypa
     pixels per request and per second, each image once, and the turns still compared
     correctly (the same images: no PS207), however many were decoded."""
     import linter.image_parts as image_parts
-    from gateway.pixel_rate import PixelRate
+    from gateway.policy.pixel_rate import PixelRate
 
     turns = nine_image_turns(4)
     size = len(orjson.dumps(turns[-1]))

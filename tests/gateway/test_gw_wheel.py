@@ -19,9 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+from gw_fakes import FakeUpstream, rows, serve_in_thread, wait_healthy
+from support.net import free_port
 
-from gateway.database import default_db_url
+from gateway.stats.database import default_db_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         source.mkdir(exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
-    for package in ("engine", "linter", "gateway"):
+    for package in ("engine", "linter", "gateway", "migrations"):
         shutil.copytree(ROOT / package, source / package, ignore=ignore)
     pip = [sys.executable, "-m", "pip"]
     built = subprocess.run(
@@ -60,7 +61,7 @@ def head_revision() -> str:
     """The newest revision of the checkout's migrations (the wheel must carry them all)."""
     from alembic.script import ScriptDirectory
 
-    from gateway.database import alembic_config
+    from gateway.stats.database import alembic_config
 
     head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     assert head is not None
@@ -74,8 +75,8 @@ def run(bindir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 
 def test_the_wheel_is_imported_from_site_packages_without_torch(installed, tmp_path):
-    code = "import sys, gateway.app; print(gateway.app.__file__); print('torch' in sys.modules)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import sys, gateway.server.app; print(gateway.server.app.__file__); print('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the wheel, not the checkout
     done = subprocess.run([str(installed / "python"), "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr

@@ -14,10 +14,11 @@ import time
 
 import httpx
 import pytest
-from gw_fakes import FakeUpstream, free_port, rows, serve_in_thread, wait_healthy
+from gw_fakes import FakeUpstream, rows, serve_in_thread, wait_healthy
+from support.net import free_port
 
-from gateway.database import default_db_url
-from gateway.stats_writer import FLUSH_INTERVAL_S
+from gateway.stats.database import default_db_url
+from gateway.stats.writer import FLUSH_INTERVAL_S
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 
@@ -115,7 +116,7 @@ def test_workers_must_be_a_positive_number(tmp_path):
 def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_generation_less_often():
     import gc
 
-    from gateway.launcher import settle_heap
+    from gateway.server.process_setup import settle_heap
 
     threshold = gc.get_threshold()
     try:

@@ -6,7 +6,7 @@ from datetime import datetime
 from lint_cli_helpers import run_lint
 from sqlalchemy import create_engine, insert
 
-from gateway.stats_table import metadata, request_log
+from gateway.stats.table import metadata, request_log
 
 
 def _row(tenant, prompt, cached, codes=""):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from engine.image_content import content_hash
+from engine.contract.image_content import content_hash
 from linter.api import compare_requests
 from linter.image_parts import UNKNOWN_SIZE_TOKENS, estimate_tokens, image_part
 from linter.render import render

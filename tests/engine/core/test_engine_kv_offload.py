@@ -155,8 +155,8 @@ def test_another_salt_never_loads_a_tenants_blocks(make):
 
 def test_kv_events_name_the_disk_and_the_gateway_indexes_them(make, offload_dir):
     from engine.server.kv_event_publisher import KvEventRecorder
-    from gateway.block_index import ReplicaIndex
-    from gateway.kv_events import apply_events
+    from gateway.routing.block_index import ReplicaIndex
+    from gateway.routing.kv_events import apply_events
 
     prompt = prompt_of(100, offset=13)
     first = make()

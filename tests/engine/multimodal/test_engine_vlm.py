@@ -9,8 +9,8 @@ import pytest
 import torch
 from vlm_samples import ARCHS, image_message, picture
 
+from engine.contract.chat import ChatRenderer
 from engine.core.llm_engine import GenerationRequest, SamplingParams
-from engine.server.chat import ChatRenderer
 
 _ids = itertools.count()
 
@@ -168,7 +168,7 @@ def test_preempted_image_requests_recompute_the_same_tokens(make_vlm_engine):
 
 
 def test_images_the_processor_cannot_place_are_400s_naming_the_part(make_vlm_engine):
-    from engine.server.errors import APIError
+    from engine.contract.errors import APIError
 
     engine = make_vlm_engine("llava", start=False)
     bad = [{"role": "user", "content": [{"type": "text", "text": "look"},

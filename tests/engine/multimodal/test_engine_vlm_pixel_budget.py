@@ -14,7 +14,7 @@ from vlm_samples import data_url, picture
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 from test_engine_http_fixtures import serve
 
-from engine.server.images import MediaPolicy
+from engine.contract.images import MediaPolicy
 
 SIDE = 32
 

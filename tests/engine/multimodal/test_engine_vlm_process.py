@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ import httpx
 import openai
 import pytest
 import torch
+from support.net import free_port
 from vlm_samples import data_url, picture
 
 BS = 4
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_healthy(proc, port, log, timeout_s=300.0):
@@ -135,8 +130,8 @@ def test_only_llama_language_models_and_the_two_architectures_are_accepted(vlm_d
 
 
 def test_the_chat_renderer_still_imports_no_torch():
-    # the gateway renders chats with engine.server.chat; the VLM path must not pull torch into it
-    code = "import sys, engine.server.chat; print('torch' in sys.modules)"
+    # the gateway renders chats with engine.contract.chat; the VLM path must not pull torch into it
+    code = "import sys, engine.contract.chat; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

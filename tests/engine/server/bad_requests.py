@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from support.sse import sse_events
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -208,7 +210,7 @@ def check_answer(status: int, content: bytes, stream_requested: bool | None = No
     if status != 200:
         return f"unexpected status {status}"
     if content.startswith(b"data:") or b"\n\ndata:" in content:
-        events = [e for e in content.split(b"\n\n") if e.strip()]
+        events = sse_events(content)
         if not events or events[-1].strip() != b"data: [DONE]":
             return f"stream without a final [DONE]: {content[-200:]!r}"
         for event in events[:-1]:

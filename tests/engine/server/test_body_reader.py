@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from engine.server.body_reader import BodyLimits, BodyReader, require_json
-from engine.server.errors import APIError
+from engine.contract.body_reader import BodyLimits, BodyReader, require_json
+from engine.contract.errors import APIError
 
 
 def make_request(chunks: list[bytes], *, content_type: str | None = "application/json",

@@ -12,20 +12,10 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_engine_http_fixtures import serve, wait_until
+from support.sse import sse_events
+from test_engine_http_fixtures import wait_until
 
 LONG_TEXT = " ".join(f"Fact {i}: the sky over city {i} is blue and the river is wide." for i in range(30))
-
-
-@pytest.fixture
-def live(tiny_engine):
-    with serve(tiny_engine) as server:
-        yield server
-
-
-@pytest.fixture
-def client(live):
-    return openai.OpenAI(base_url=live.api_url, api_key="x", max_retries=0, timeout=120)
 
 
 def chat(client, engine, content, **kwargs):
@@ -135,7 +125,7 @@ def test_raw_sse_framing_ends_with_done(live, tiny_engine):
     with httpx.stream("POST", live.api_url + "/chat/completions", json=body, timeout=60) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         raw = resp.read().decode()
-    events = [e for e in raw.split("\n\n") if e]
+    events = sse_events(raw)
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
     usage = json.loads(events[-2][len("data: "):])["usage"]
@@ -273,7 +263,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(client, live, tiny_engin
         list(chat(client, tiny_engine, LONG_TEXT, stream=True))
     body = {"model": tiny_engine.model_id, "messages": [{"role": "user", "content": "x"}], "stream": True}
     raw = httpx.post(live.api_url + "/chat/completions", json=body, timeout=60).text
-    events = [e for e in raw.split("\n\n") if e]
+    events = sse_events(raw)
     assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
     assert events[-1] == "data: [DONE]"
     tiny_engine.first_logits_observer = None

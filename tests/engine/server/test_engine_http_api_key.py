@@ -5,7 +5,7 @@ import openai
 import pytest
 from test_engine_http_fixtures import serve
 
-from engine.server.api_key import ApiKeyGuard
+from engine.contract.api_key import ApiKeyGuard
 
 KEY = "per-run-key-0123456789"
 MSG = [{"role": "user", "content": "hi"}]

@@ -11,7 +11,7 @@ import openai
 import pytest
 from test_engine_http_fixtures import serve, wait_until
 
-from engine.server.body_reader import TENANT_HEADER, BodyLimits
+from engine.contract.body_reader import TENANT_HEADER, BodyLimits
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 

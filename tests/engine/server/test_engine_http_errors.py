@@ -12,7 +12,7 @@ import openai
 import pytest
 from test_engine_http_fixtures import serve, wait_until
 
-from engine.server.errors import APIError
+from engine.contract.errors import APIError
 
 JSON = {"content-type": "application/json"}
 
@@ -247,8 +247,8 @@ def test_temperatures_too_small_to_divide_by_are_served_greedily(client, tiny_en
 def test_a_prompt_too_long_by_its_size_alone_is_refused_without_tokenizing(tiny_engine):
     """Each token covers at most `max_token_chars` characters: past that many per token of
     context the prompt cannot fit, so it is refused before the tokenizer (and its lock) is used."""
-    from engine.server.body_reader import BodyReader
-    from engine.server.images import MediaPolicy
+    from engine.contract.body_reader import BodyReader
+    from engine.contract.images import MediaPolicy
     from engine.server.request_handler import RequestHandler
 
     handler = RequestHandler(tiny_engine, media=MediaPolicy(), bodies=BodyReader())

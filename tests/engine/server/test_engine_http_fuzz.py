@@ -24,11 +24,12 @@ import httpx
 import pytest
 import uvicorn
 from bad_requests import cases, check_answer
+from support.sse import sse_events
 from test_engine_http_fixtures import serve, wait_until
 
-from gateway.app import create_app as create_gateway
-from gateway.database import default_db_url, upgrade
-from gateway.settings import GatewaySettings
+from gateway.server.app import create_app as create_gateway
+from gateway.server.settings import GatewaySettings
+from gateway.stats.database import default_db_url, upgrade
 
 CASES_PER_RUN = int(os.environ.get("PREFIXGATE_FUZZ_CASES") or 300)
 KEY = "fuzz-engine-key"
@@ -112,8 +113,8 @@ def test_gateway_wrote_one_row_per_fuzzed_request(servers, tiny_engine):
     assert all(check_answer(status, content) is None for _, status, content in answers)
     from sqlalchemy import func, select
 
-    from gateway.database import create_db_engine
-    from gateway.stats_table import request_log
+    from gateway.stats.database import create_db_engine
+    from gateway.stats.table import request_log
 
     def written() -> int:
         engine = create_db_engine(db_url)
@@ -192,7 +193,7 @@ def hostile_bodies(seed: int, count: int, model: str) -> list[tuple[str, dict, b
 
 def responses_stream_problem(content: bytes) -> str | None:
     """None when a Responses stream ends as it should: its last event completes the response."""
-    events = [e for e in content.split(b"\n\n") if e.strip()]
+    events = sse_events(content)
     last = events[-1].split(b"data: ", 1)[-1] if events else b"{}"
     kind = json.loads(last).get("type")
     return None if kind in ("response.completed", "response.incomplete") else f"stream ends with {kind}"
@@ -286,7 +287,7 @@ def test_a_grammar_failing_mid_generation_ends_as_a_client_error_on_both_servers
                 assert whole.json()["error"]["param"] == param and whole.json()["error"]["code"] == "invalid_schema"
                 streamed = client.post(path, json={**body, "stream": True})
                 assert streamed.status_code == 200
-                events = [e for e in streamed.text.split("\n\n") if e.strip()]
+                events = sse_events(streamed.text)
                 if path == "/v1/responses":
                     assert events[-1].startswith("event: error\n") and "[DONE]" not in streamed.text
                     error = json.loads(events[-1].split("data: ", 1)[1])

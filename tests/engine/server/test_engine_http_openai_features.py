@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_engine_http_fixtures import serve, wait_until
+from test_engine_http_fixtures import wait_until
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "size": {"enum": ["S", "M", "L"]}},
@@ -19,17 +19,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
 MSGS = [{"role": "user", "content": "Fill in the form please."}]
 PREFIX = " ".join(f"Rule {i}: be helpful and concise." for i in range(12))
-
-
-@pytest.fixture
-def live(tiny_engine):
-    with serve(tiny_engine) as server:
-        yield server
-
-
-@pytest.fixture
-def client(live):
-    return openai.OpenAI(base_url=live.api_url, api_key="x", max_retries=0, timeout=120)
 
 
 def all_blocks_free(engine) -> bool:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from test_engine_http_fixtures import serve, wait_until
 
-from engine.server.chat import ChatRenderer
+from engine.contract.chat import ChatRenderer
 
 pytestmark = pytest.mark.real_model
 

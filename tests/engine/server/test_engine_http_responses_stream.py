@@ -12,7 +12,8 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
-from test_engine_http_fixtures import serve, wait_until
+from support.sse import sse_data
+from test_engine_http_fixtures import wait_until
 
 PROMPT = "Tell me a short story about a lighthouse keeper."
 TOOL = {"type": "function", "name": "book_repair",
@@ -26,17 +27,6 @@ class Story(pydantic.BaseModel):
 
 
 MARKUP = ("<tool_call", "tool_call>", "<tool", "</")
-
-
-@pytest.fixture
-def live(tiny_engine):
-    with serve(tiny_engine) as server:
-        yield server
-
-
-@pytest.fixture
-def client(live):
-    return openai.OpenAI(base_url=live.api_url, api_key="x", max_retries=0, timeout=120)
 
 
 def all_blocks_free(engine) -> bool:
@@ -219,7 +209,7 @@ def test_the_format_schema_travels_once_in_a_stream(live, tiny_engine):
     with httpx.stream("POST", live.api_url + "/responses", json=body, timeout=60) as resp:
         raw = resp.read().decode()
     assert raw.count('"field_199"') == 1
-    events = [json.loads(e.split("data: ", 1)[1]) for e in raw.split("\n\n") if "data: " in e]
+    events = sse_data(raw)
     assert events[0]["type"] == "response.created"
     assert events[0]["response"]["text"]["format"] == {"type": "json_schema", "name": "big"}
     assert events[-1]["response"]["text"]["format"]["schema"] == schema

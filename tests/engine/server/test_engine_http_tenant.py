@@ -7,18 +7,11 @@ cannot keep is a 400 in OpenAI's shape.
 
 import openai
 import pytest
-from test_engine_http_fixtures import serve
 
 from engine.core.scheduler import Scheduler
 from engine.server.request_handler import MAX_TENANT_CHARS, TENANT_HEADER
 
 MSG = [{"role": "user", "content": "Tell me a number"}]
-
-
-@pytest.fixture
-def live(tiny_engine):
-    with serve(tiny_engine) as server:
-        yield server
 
 
 def test_the_tenant_header_reaches_the_scheduler_and_changes_no_answer(live, monkeypatch):

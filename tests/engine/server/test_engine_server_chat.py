@@ -1,4 +1,4 @@
-"""engine.server.chat: message normalization, tools, and the image placeholder/offset logic.
+"""engine.contract.chat: message normalization, tools, and the image placeholder/offset logic.
 
 A small fake tokenizer (a jinja2 chat template and a word-level vocabulary) makes
 the rendered text and the token positions easy to check exactly; the real
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from image_samples import png
 
 from engine import hash_block_chain
-from engine.server.chat import PART_JOIN, ROLES, TOOLS_HEADER, ChatRenderer, ImagePlaceholder
-from engine.server.errors import APIError
-from engine.server.images import ImageData
-from engine.server.tool_calls import CALL_INSTRUCTIONS
+from engine.contract.chat import PART_JOIN, ROLES, TOOLS_HEADER, ChatRenderer, ImagePlaceholder
+from engine.contract.errors import APIError
+from engine.contract.images import ImageData
+from engine.contract.tool_call_format import CALL_INSTRUCTIONS
 
 PLAIN_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}> {{ m.content }} </{{ m.role }}>\n{% endfor %}"

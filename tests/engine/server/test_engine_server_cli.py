@@ -2,13 +2,13 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 import openai
 import pytest
+from support.net import free_port
 from test_engine_http_fixtures import wait_until
 
 from gateway.cli import build_parser
@@ -74,11 +74,6 @@ def test_building_the_parser_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.real_model

@@ -1,4 +1,4 @@
-"""engine.server.images and engine.image_content: verified decoding, a content hash over pixels and shape."""
+"""engine.contract.images and engine.contract.image_content: verified decoding, a content hash over pixels and shape."""
 
 import base64
 import struct
@@ -8,8 +8,13 @@ import pytest
 from image_samples import data_url, encode, picture, png
 from PIL import Image
 
-from engine.image_content import MAX_IMAGE_PIXELS, content_hash, decode_image, image_identity
-from engine.server.images import MAX_IMAGE_BYTES, ImageData, decode_data_url, load_image
+from engine.contract.image_content import (
+    MAX_IMAGE_PIXELS,
+    content_hash,
+    decode_image,
+    image_identity,
+)
+from engine.contract.images import MAX_IMAGE_BYTES, ImageData, decode_data_url, load_image
 
 PNG_BYTES = png()
 
@@ -181,8 +186,8 @@ def test_importing_the_image_modules_and_the_gateway_does_not_import_pillow():
     import subprocess
     import sys
 
-    code = ("import sys, engine.image_content, engine.server.images, engine.server.chat, gateway.block_keys, "
-            "gateway.app, linter.api, linter.render; "
+    code = ("import sys, engine.contract.image_content, engine.contract.images, engine.contract.chat, gateway.routing.block_keys, "
+            "gateway.server.app, linter.api, linter.render; "
             "sys.exit('PIL' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
@@ -191,7 +196,7 @@ def _whole_image_hash(image):
     """content_hash's definition, computed on the whole image at once (the reference)."""
     import hashlib
 
-    from engine.image_content import HASH_VERSION, canonical_mode
+    from engine.contract.image_content import HASH_VERSION, canonical_mode
 
     mode = canonical_mode(image.mode)
     pixels = image if image.mode == mode else image.convert(mode)
@@ -204,7 +209,7 @@ def _whole_image_hash(image):
 def test_hashing_in_strips_gives_the_whole_image_hash(mode, monkeypatch):
     import numpy as np
 
-    import engine.image_content as image_content
+    import engine.contract.image_content as image_content
 
     rng = np.random.RandomState(7)
     image = Image.fromarray(rng.randint(0, 256, (37, 29, 4), dtype=np.uint8), "RGBA").convert(mode)
@@ -217,7 +222,7 @@ def test_hashing_in_strips_gives_the_whole_image_hash(mode, monkeypatch):
 
 
 def test_image_pixels_reads_the_header_only_and_refuses_what_decoding_refuses():
-    from engine.image_content import image_pixels
+    from engine.contract.image_content import image_pixels
 
     assert image_pixels(png(5, 3)) == 15
     with pytest.raises(ValueError, match="pixels"):

@@ -15,9 +15,9 @@ from typing import ClassVar
 import pytest
 from image_samples import data_url, png
 
-from engine.server.chat import ChatRenderer, ImagePlaceholder
-from engine.server.errors import APIError
-from engine.server.images import ImageData, MediaPolicy, load_image
+from engine.contract.chat import ChatRenderer, ImagePlaceholder
+from engine.contract.errors import APIError
+from engine.contract.images import ImageData, MediaPolicy, load_image
 
 PICTURE = png(10, 7, seed=6)
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 from test_engine_http_fixtures import wait_until
 
-from engine.server import pixel_budget
-from engine.server.pixel_budget import PixelBudget, PixelBudgetBusy, PixelBudgetTooSmall
+from engine.contract import pixel_budget
+from engine.contract.pixel_budget import PixelBudget, PixelBudgetBusy, PixelBudgetTooSmall
 
 
 def test_reservations_add_up_and_end():

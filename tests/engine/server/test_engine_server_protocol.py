@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.errors import APIError
+from engine.contract.errors import APIError
 from engine.server.protocol import parse_chat_body, parse_completion_body
 
 VOCAB = 1000

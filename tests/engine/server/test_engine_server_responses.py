@@ -2,8 +2,9 @@
 
 import orjson
 
+from engine.contract.sse import SSE_DONE, sse_event
 from engine.core.output_stream import TokenLogprobs
-from engine.server.response_builder import SSE_DONE, Choice, ResponseBuilder, Usage, sse_event
+from engine.server.response_builder import Choice, ResponseBuilder, Usage
 
 
 def test_chat_body_has_usage_with_cached_tokens_even_when_zero():

@@ -3,9 +3,10 @@
 import orjson
 import pytest
 
-from engine.server.errors import APIError
+from engine.contract.errors import APIError
+from engine.contract.responses_request import responses_param, to_chat_body, translate
 from engine.server.response_builder import Usage
-from engine.server.responses import ResponsesBuilder, responses_param, to_chat_body, translate
+from engine.server.responses import ResponsesBuilder
 
 
 def test_items_become_messages_tools_and_formats():

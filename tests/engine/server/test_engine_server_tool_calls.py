@@ -6,15 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.server.errors import APIError
-from engine.server.tool_calls import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    ToolCallStream,
-    extract_tool_calls,
-    parse_tool_choice,
-    render_call,
-)
+from engine.contract.errors import APIError
+from engine.contract.tool_call_format import CALL_CLOSE, CALL_OPEN, render_call
+from engine.server.tool_calls import ToolCallStream, extract_tool_calls, parse_tool_choice
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "get_time"}}]

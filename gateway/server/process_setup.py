@@ -1,0 +1,31 @@
+"""What every serving process does once: logging set up, the start-up heap settled.
+
+Shared by the one-process launcher and each worker of the supervisor.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+
+def configure_logging(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO; the access log already covers them.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def settle_heap(young_threshold: int = 50_000) -> None:
+    """Take what start-up built (modules, the app, its pools) out of the cyclic garbage
+    collector's sight, and collect the young generation less often.
+
+    Measured under load (128 clients): a full collection walked every object of the
+    start-up heap, 60 ms each time, and the three generations took a quarter of the
+    gateway's CPU. Reference counting still frees a request's objects as soon as it
+    ends; only reference cycles wait for a collection, and those are few and small.
+    Call once, after the app is built, in the process that serves it.
+    """
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(young_threshold, middle, old)
