@@ -29,6 +29,9 @@ The price of tiling: a prefill calls the kernel once per 32 rows, reading the we
 each time, and AMX's wide-row blocking is not used (see ARCHITECTURE.md, "Exactness",
 for the measured cost). In bfloat16 a tile's bits are ``F.linear``'s on the same rows.
 
+The generic forward (architectures other than Llama) gets the same products through
+:func:`pack_linears`, which routes its ``nn.Linear`` modules through this class.
+
 Memory: a packed weight is a second copy of the matrix (the transformers modules
 keep theirs for the generic forward): about 210 MB more for the bundled 135M model
 in bfloat16.
@@ -57,12 +60,13 @@ def _packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear:
-    """``x @ weight.T`` (no bias) for ``x`` ``[rows, in]``, computed in tiles of at most
+    """``x @ weight.T (+ bias)`` for ``x`` ``[rows, in]``, computed in tiles of at most
     :data:`ROW_TILE` rows: oneDNN-packed where that is row-invariant, else ``F.linear``.
     Never changes ``weight``."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
+        self.bias = bias
         self.packed: torch.Tensor | None = None
         if _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -77,8 +81,8 @@ class PackedLinear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -89,6 +93,27 @@ class PackedLinear:
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
+
+
+def pack_linears(model: torch.nn.Module) -> None:
+    """Make every ``nn.Linear`` of ``model`` compute through a :class:`PackedLinear`
+    (its forward flattens the leading dimensions into rows): the generic forward's
+    batch invariance. Done once per model (a second engine on it reuses the packing);
+    the modules keep their weights, so memory holds a second copy of each."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and "_prefixgate_packed" not in module.__dict__:
+            bias = None if module.bias is None else module.bias.detach()
+            packed = PackedLinear(module.weight.detach(), bias)
+            module.__dict__["_prefixgate_packed"] = packed
+            module.forward = _rows_of(packed)  # type: ignore[method-assign,assignment]
+
+
+def _rows_of(packed: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = packed(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return forward
 
 
 def row_invariant(product: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine.model import attention, llama
+from engine.model import attention, linear, llama
 from engine.model.attention import (
     ROW_MULTIPLE,
     AttentionBatch,
@@ -74,6 +74,7 @@ class ModelRunner:
             self._llama = llama.LlamaForward(model)
         else:
             attention.install(model)
+            linear.pack_linears(model)
 
     def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
         """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
