@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
+WEIGHTS = ("dense", "q4_1")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
@@ -22,6 +23,9 @@ class EngineConfig:
     over at most ``max_num_batched_tokens`` tokens (decode tokens plus prefill
     chunks) of at most ``max_num_seqs`` running requests. A vision-language model
     keeps image features in an encoder cache of ``encoder_cache_memory_gib`` GiB.
+    ``weights="q4_1"`` (opt-in, a Llama GGUF in bfloat16) multiplies the projections
+    with the file's Q4_1 blocks (:class:`~engine.model.linear.Int4Linear`) instead of
+    the dense checkpoint: faster decoding, other numbers than ``"dense"``.
     """
 
     model: str | None = None
@@ -36,10 +40,13 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     encoder_cache_memory_gib: float = DEFAULT_ENCODER_CACHE_MEMORY_GIB
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:

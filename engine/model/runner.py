@@ -26,7 +26,7 @@ gets the same bits alone, in any batch, cached or not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from engine.model.attention import (
     padded_length,
 )
 from engine.model.kv_storage import KVStorage
+from engine.model.q4_weights import Q4Matrix
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,19 @@ class SequenceInput:
 class ModelRunner:
     """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
-    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None) -> None:
+    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None,
+                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+        """``q4_layers``: the model's projections as Q4_1 blocks (the Llama forward then
+        multiplies with them; ValueError for another forward)."""
         attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
+        if q4_layers is not None and not self.lean:
+            raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
-            self._llama = llama.LlamaForward(model)
+            self._llama = llama.LlamaForward(model, q4_layers)
         else:
             attention.install(model)
             linear.pack_linears(model)
