@@ -35,6 +35,7 @@ other work that the next server does not see; alternating rounds spreads it.
 Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
        [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
        [--shared batched seq1 llama] [--engine-threads N] [--rounds N] [--profile]
+       [--weights dense|q4_1]
 Example: .venv/bin/python benchmarks/batching.py --streams 1 8 --rounds 3
 Example: .venv/bin/python benchmarks/batching.py --profile --streams 1 8
 """
@@ -184,20 +185,20 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def profile(tok: Any, streams: list[int], threads: int | None) -> int:
+def profile(tok: Any, streams: list[int], threads: int | None, weights: str) -> int:
     from step_profile import profile_decode, show
 
     rows = []
     for n in streams:
         prompts = [text_tokens(tok, 24, 17 + 1000 * n + i) for i in range(n)]
-        row = profile_decode(n, PROFILE_STEPS, prompts, threads)
+        row = profile_decode(n, PROFILE_STEPS, prompts, threads, weights)
         row["load_avg_after"] = os.getloadavg()
         print(show(row), flush=True)
         rows.append(row)
     PROFILE_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     PROFILE_RESULTS.write_text(json.dumps({
         "benchmark": "batching_profile", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "engine_threads": threads, "levels": rows,
+        "engine_threads": threads, "weights": weights, "levels": rows,
     }, indent=2))
     print(f"wrote {PROFILE_RESULTS}")
     return 0
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["batched", "seq1", "llama"])
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers in turn this many times; figures are medians (default: 1)")
+    parser.add_argument("--weights", choices=["dense", "q4_1"], default="dense",
+                        help="--weights of both prefixgate engines and of --profile (default: dense)")
     parser.add_argument("--profile", action="store_true",
                         help="no servers: where one decode step's time goes, per --streams level, in process")
     args = parser.parse_args(argv)
@@ -234,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     tok = tokenizer()
     if args.profile:
-        return profile(tok, args.streams, args.engine_threads)
+        return profile(tok, args.streams, args.engine_threads, args.weights)
     model = "SmolLM2-135M-Instruct"
-    threads = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
+    flags = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
+    flags += ["--weights", args.weights]
     servers = {
-        "batched": lambda: engine_server(*threads, log=LOGS / "engine-batched.log"),
-        "seq1": lambda: engine_server("--max-num-seqs", "1", *threads, log=LOGS / "engine-seq1.log"),
+        "batched": lambda: engine_server(*flags, log=LOGS / "engine-batched.log"),
+        "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
         "llama16": lambda: llama_server("-np", "16", "-c", "32768", log=LOGS / "llama-server-np16.log"),
     }
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(json.dumps({
         "benchmark": "batching", "output_tokens": args.tokens,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
-        "engine_threads": args.engine_threads, "rounds": args.rounds, "servers": results, "targets": targets,
+        "engine_threads": args.engine_threads, "weights": args.weights, "rounds": args.rounds, "servers": results, "targets": targets,
         "per_round": rounds if args.rounds > 1 else None,
     }, indent=2))
     print(f"wrote {RESULTS}")

@@ -73,10 +73,11 @@ def _instrument(engine: LLMEngine) -> Callable[[], None]:
     return undo
 
 
-def profile_decode(streams: int, steps: int, prompts: list[list[int]], num_threads: int | None = None) -> dict[str, Any]:
+def profile_decode(streams: int, steps: int, prompts: list[list[int]], num_threads: int | None = None,
+                   weights: str = "dense") -> dict[str, Any]:
     """Per-step milliseconds of each part of a decode step with ``streams`` running
     requests (``prompts``: one per stream), plain and profiled (see the module doc)."""
-    engine = LLMEngine.launch(EngineConfig(num_threads=num_threads, seed=0))
+    engine = LLMEngine.launch(EngineConfig(num_threads=num_threads, seed=0, weights=weights))
     try:
         return _measure(engine, streams, steps, prompts)
     finally:
