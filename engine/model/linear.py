@@ -1,4 +1,5 @@
-"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied in fixed row tiles.
+"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied in fixed row tiles
+(and Int4Linear: the same tiles over a GGUF's 4-bit blocks, opt-in).
 
 Two jobs, one class:
 
@@ -30,7 +31,8 @@ each time, and AMX's wide-row blocking is not used (see ARCHITECTURE.md, "Exactn
 for the measured cost). In bfloat16 a tile's bits are ``F.linear``'s on the same rows.
 
 The generic forward (architectures other than Llama) gets the same products through
-:func:`pack_linears`, which routes its ``nn.Linear`` modules through this class.
+:class:`TiledLinears`, which routes its ``nn.Linear`` modules through this class
+during the runner's forward.
 
 Memory: a packed weight is a second copy of the matrix (the transformers modules
 keep theirs for the generic forward): about 210 MB more for the bundled 135M model
@@ -39,8 +41,9 @@ in bfloat16.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,17 +135,34 @@ def in_tiles(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
     return torch.cat([product(x[k : k + ROW_TILE]) for k in range(0, rows, ROW_TILE)])
 
 
-def pack_linears(model: torch.nn.Module) -> None:
-    """Make every ``nn.Linear`` of ``model`` compute through a :class:`PackedLinear`
-    (its forward flattens the leading dimensions into rows): the generic forward's
-    batch invariance. Done once per model (a second engine on it reuses the packing);
-    the modules keep their weights, so memory holds a second copy of each."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and "_prefixgate_packed" not in module.__dict__:
-            bias = None if module.bias is None else module.bias.detach()
-            packed = PackedLinear(module.weight.detach(), bias)
-            module.__dict__["_prefixgate_packed"] = packed
-            module.forward = _rows_of(packed)  # type: ignore[method-assign,assignment]
+class TiledLinears:
+    """A :class:`PackedLinear` for every ``nn.Linear`` of a model, for the generic
+    forward's batch invariance. :meth:`installed` routes the modules' forward through
+    them (leading dimensions flattened into rows) for the duration of a call and then
+    puts the modules back as they were: the model itself is never changed, so a copy
+    or a stock forward of it sees plain ``nn.Linear`` modules. Memory: a second copy of
+    each weight."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules: list[tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = []
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                bias = None if module.bias is None else module.bias.detach()
+                self.modules.append((module, _rows_of(PackedLinear(module.weight.detach(), bias))))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = [module.__dict__.get("forward") for module, _ in self.modules]
+        for module, forward in self.modules:
+            module.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            for (module, _), before in zip(self.modules, saved, strict=True):
+                if before is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = before
 
 
 def _rows_of(packed: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -74,13 +74,14 @@ class ModelRunner:
         self.storage = storage
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
+        self._linears: linear.TiledLinears | None = None
         if q4_layers is not None and not self.lean:
             raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
             self._llama = llama.LlamaForward(model, q4_layers)
         else:
             attention.install(model)
-            linear.pack_linears(model)
+            self._linears = linear.TiledLinears(model)
 
     def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
         """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
@@ -138,9 +139,11 @@ class ModelRunner:
             else:
                 if embeds is not None:
                     raise ValueError("input embeddings need the Llama forward")
-                out = self.model(
-                    input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
-                    logits_to_keep=rows, paged_batch=batch,
-                )
+                assert self._linears is not None
+                with self._linears.installed():
+                    out = self.model(
+                        input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
+                        logits_to_keep=rows, paged_batch=batch,
+                    )
                 logits = out.logits[0]
             return logits[:num_logits].float()
