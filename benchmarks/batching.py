@@ -17,6 +17,15 @@ Prints a table and writes benchmarks/results/batching.json with the issue's targ
 8 streams >= 4x ``--max-num-seqs 1`` and >= llama.cpp; 64 streams TTFT p50 <= 1/4
 of ``--max-num-seqs 1``.
 
+``--profile`` runs no server: in this process, an engine decodes with each
+``--streams`` level of running requests and prints where one decode step's time
+goes (projections, LM head, attention, norms, RoPE, sampling, the output hand-off,
+the rest; see ``step_profile.py``), writing benchmarks/results/batching_profile.json.
+
+llama.cpp's server runs with ``-np 8`` (8 slots) for levels of up to 8 streams and a
+second one with ``-np 16`` for the levels above (a fair peer at 16 streams: with 8
+slots half of them would wait).
+
 ``--rounds N`` repeats the servers in turn N times (batched, seq1, llama, batched,
 ...; the shared-prefix case only in the first round); the table and the targets
 then use each figure's median over the rounds, and the JSON keeps every round and
@@ -25,8 +34,10 @@ other work that the next server does not see; alternating rounds spreads it.
 
 Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
        [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
-       [--shared batched seq1 llama] [--engine-threads N] [--rounds N]
+       [--shared batched seq1 llama] [--engine-threads N] [--rounds N] [--profile]
+       [--weights dense|q4_1]
 Example: .venv/bin/python benchmarks/batching.py --streams 1 8 --rounds 3
+Example: .venv/bin/python benchmarks/batching.py --profile --streams 1 8
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ import httpx
 from servers import engine_server, llama_server
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
+PROFILE_RESULTS = RESULTS.with_name("batching_profile.json")
+PROFILE_STEPS = 20
 LOGS = Path(__file__).resolve().parent / "results" / "logs"
 SHARED_PREFIX_TOKENS = 2048
 SHARED_REQUESTS = 16
@@ -172,6 +185,25 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def profile(tok: Any, streams: list[int], threads: int | None, weights: str) -> int:
+    from step_profile import profile_decode, show
+
+    rows = []
+    for n in streams:
+        prompts = [text_tokens(tok, 24, 17 + 1000 * n + i) for i in range(n)]
+        row = profile_decode(n, PROFILE_STEPS, prompts, threads, weights)
+        row["load_avg_after"] = os.getloadavg()
+        print(show(row), flush=True)
+        rows.append(row)
+    PROFILE_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    PROFILE_RESULTS.write_text(json.dumps({
+        "benchmark": "batching_profile", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "engine_threads": threads, "weights": weights, "levels": rows,
+    }, indent=2))
+    print(f"wrote {PROFILE_RESULTS}")
+    return 0
+
+
 def _show(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{key}={value:.2f}"
@@ -196,16 +228,24 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["batched", "seq1", "llama"])
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers in turn this many times; figures are medians (default: 1)")
+    parser.add_argument("--weights", choices=["dense", "q4_1"], default="dense",
+                        help="--weights of both prefixgate engines and of --profile (default: dense)")
+    parser.add_argument("--profile", action="store_true",
+                        help="no servers: where one decode step's time goes, per --streams level, in process")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     tok = tokenizer()
+    if args.profile:
+        return profile(tok, args.streams, args.engine_threads, args.weights)
     model = "SmolLM2-135M-Instruct"
-    threads = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
+    flags = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
+    flags += ["--weights", args.weights]
     servers = {
-        "batched": lambda: engine_server(*threads, log=LOGS / "engine-batched.log"),
-        "seq1": lambda: engine_server("--max-num-seqs", "1", *threads, log=LOGS / "engine-seq1.log"),
+        "batched": lambda: engine_server(*flags, log=LOGS / "engine-batched.log"),
+        "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
+        "llama16": lambda: llama_server("-np", "16", "-c", "32768", log=LOGS / "llama-server-np16.log"),
     }
     rounds: list[dict[str, Any]] = []
     for round_no in range(args.rounds):
@@ -213,9 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         for i, name in enumerate(args.servers):
             streams = {"seq1": args.seq1_streams, "llama": args.llama_streams}.get(name) or args.streams
             print(f"{name}: starting" + (f" (round {round_no + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
+            shared = name in args.shared and round_no == 0
+            if name == "llama" and any(n > 8 for n in streams):  # a fair peer: 16 slots for > 8 streams
+                small, large = [n for n in streams if n <= 8], [n for n in streams if n > 8]
+                parts = []
+                for key, levels, with_shared in (("llama", small, shared), ("llama16", large, False)):
+                    if levels:
+                        with servers[key]() as base:
+                            parts.append(run_server(key, base, model, tok, levels, args.tokens, 17 + i, with_shared))
+                this[name] = {**parts[0], "levels": [row for part in parts for row in part["levels"]]}
+                continue
             with servers[name]() as base:
-                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i,
-                                        name in args.shared and round_no == 0)
+                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i, shared)
         rounds.append(this)
     results = medians(rounds)
 
@@ -258,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(json.dumps({
         "benchmark": "batching", "output_tokens": args.tokens,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
-        "engine_threads": args.engine_threads, "rounds": args.rounds, "servers": results, "targets": targets,
+        "engine_threads": args.engine_threads, "weights": args.weights, "rounds": args.rounds, "servers": results, "targets": targets,
         "per_round": rounds if args.rounds > 1 else None,
     }, indent=2))
     print(f"wrote {RESULTS}")

@@ -22,6 +22,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
+    WEIGHTS,
 )
 from engine.contract.images import (
     FETCH_TIMEOUT_S,
@@ -95,6 +96,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights and KV dtype; auto = bfloat16 where the CPU supports it "
                         "natively, else float32 (default: auto)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="dense",
+                        help="projections: dense (the checkpoint in --dtype) or q4_1 (opt-in: the GGUF's "
+                        "4-bit blocks as shipped, faster decoding, other numbers; a Llama GGUF in "
+                        "bfloat16) (default: dense)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
@@ -158,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             encoder_cache_memory_gib=args.encoder_cache_memory, num_threads=args.threads,
             kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
+            weights=args.weights,
         )
         _check_model(args.model)
         events_config = None

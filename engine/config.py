@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.contract.limits import BLOCK_SIZE
 
 DTYPES = ("auto", "float32", "bfloat16")
+WEIGHTS = ("dense", "q4_1")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 DEFAULT_MAX_NUM_SEQS = 64
@@ -28,6 +29,9 @@ class EngineConfig:
     With ``kv_offload_dir`` set, full KV blocks are also kept in that directory, at
     most ``kv_offload_size_gib`` GiB of files (:mod:`engine.model.kv_offload`); it
     needs prefix caching.
+    ``weights="q4_1"`` (opt-in, a Llama GGUF in bfloat16) multiplies the projections
+    with the file's Q4_1 blocks (:class:`~engine.model.linear.Int4Linear`) instead of
+    the dense checkpoint: faster decoding, other numbers than ``"dense"``.
     """
 
     model: str | None = None
@@ -44,10 +48,13 @@ class EngineConfig:
     encoder_cache_memory_gib: float = DEFAULT_ENCODER_CACHE_MEMORY_GIB
     kv_offload_dir: str | None = None
     kv_offload_size_gib: float = DEFAULT_KV_OFFLOAD_SIZE_GIB
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:

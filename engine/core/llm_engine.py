@@ -92,7 +92,14 @@ class LLMEngine:
         )
         self.storage = KVStorage.from_memory(self.layout, config.kv_cache_memory_gib)
         self.block_size = config.block_size
-        self.runner = ModelRunner(model, self.storage)
+        q4_layers = None
+        if config.weights == "q4_1":
+            from engine.model.q4_weights import gguf_file, read_q4_layers
+
+            if self.layout.dtype != torch.bfloat16:
+                raise ValueError(f"weights='q4_1' needs bfloat16, the model is {self.layout.dtype}")
+            q4_layers = read_q4_layers(gguf_file(config.model))
+        self.runner = ModelRunner(model, self.storage, q4_layers=q4_layers)
         model_len = config.max_model_len or mc.max_position_embeddings
         kv_tokens = self.storage.num_blocks * config.block_size
         if model_len > kv_tokens:

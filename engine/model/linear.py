@@ -1,4 +1,5 @@
-"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied in fixed row tiles.
+"""PackedLinear: a weight matrix laid out once for oneDNN, multiplied in fixed row tiles
+(and Int4Linear: the same tiles over a GGUF's 4-bit blocks, opt-in).
 
 Two jobs, one class:
 
@@ -29,6 +30,10 @@ The price of tiling: a prefill calls the kernel once per 32 rows, reading the we
 each time, and AMX's wide-row blocking is not used (see ARCHITECTURE.md, "Exactness",
 for the measured cost). In bfloat16 a tile's bits are ``F.linear``'s on the same rows.
 
+The generic forward (architectures other than Llama) gets the same products through
+:class:`TiledLinears`, which routes its ``nn.Linear`` modules through this class
+during the runner's forward.
+
 Memory: a packed weight is a second copy of the matrix (the transformers modules
 keep theirs for the generic forward): about 210 MB more for the bundled 135M model
 in bfloat16.
@@ -36,8 +41,10 @@ in bfloat16.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,18 +64,19 @@ def _packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear:
-    """``x @ weight.T`` (no bias) for ``x`` ``[rows, in]``, computed in tiles of at most
+    """``x @ weight.T (+ bias)`` for ``x`` ``[rows, in]``, computed in tiles of at most
     :data:`ROW_TILE` rows: oneDNN-packed where that is row-invariant, else ``F.linear``.
     Never changes ``weight``."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
+        self.bias = bias
         self.packed: torch.Tensor | None = None
         if _packing_available(weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            if not row_invariant(self._product, weight):
+            if not row_invariant(self._product, weight.shape[1], weight.dtype):
                 self.packed = None
-        if self.packed is None and not row_invariant(self._product, weight):
+        if self.packed is None and not row_invariant(self._product, weight.shape[1], weight.dtype):
             logger.warning(
                 "a %s x %s %s product's row bits depend on the row count on this CPU: "
                 "batched outputs may differ from one-at-a-time ones",
@@ -77,26 +85,101 @@ class PackedLinear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= ROW_TILE:
-            return self._product(x)
-        return torch.cat([self._product(x[k : k + ROW_TILE]) for k in range(0, rows, ROW_TILE)])
+        return in_tiles(self._product, x)
 
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
 
 
-def row_invariant(product: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor) -> bool:
-    """True when ``product`` gives every row of a probe the same bits in a call of
-    :data:`ROW_TILE` rows as in calls of fewer rows (multiples of 4), at any offset."""
+class Int4Linear:
+    """``x @ W.T`` for a Q4_1 matrix ``W`` (:class:`~engine.model.q4_weights.Q4Matrix`)
+    and bfloat16 ``x`` ``[rows, in]``, with torch's weight-only 4-bit kernel
+    (``_weight_int4pack_mm_for_cpu``, groups of 32 along ``in``: scale ``d`` and zero
+    ``m + 8d``, so ``(q - 8) * d + m + 8d = d * q + m``), in tiles of :data:`ROW_TILE`
+    rows like :class:`PackedLinear` (the kernel is row-invariant at 1-600 rows on the
+    AMX Xeon, and its time grows faster than linearly with rows above 32).
+
+    A quarter of bfloat16's bytes: on the AMX Xeon the 120 projections of the bundled
+    model took 11.7 ms at 4 rows against 24.5 ms packed bfloat16, but 71.5 against
+    35.4 ms at 32 rows. The scales are rounded to bfloat16 (the kernel's dtype), so the
+    weights differ from the dense checkpoint's by up to a bfloat16 rounding of ``d``
+    and ``m + 8d`` per block: opt-in (``EngineConfig.weights``)."""
+
+    def __init__(self, matrix: Any, dtype: torch.dtype = torch.bfloat16) -> None:
+        out, cols = matrix.codes.shape
+        self.shape = (out, cols)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(matrix.codes.to(torch.int32), 1)
+        self.scales_and_zeros = (
+            torch.stack([matrix.d, matrix.m + 8 * matrix.d], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        )
+        if not row_invariant(self._product, cols, dtype):
+            logger.warning("the 4-bit %s x %s product's row bits depend on the row count on this CPU", out, cols)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.scales_and_zeros)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return in_tiles(self._product, x)
+
+
+def in_tiles(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``product`` of ``x`` ``[rows, in]``, one call per :data:`ROW_TILE` rows."""
+    rows = x.shape[0]
+    if rows <= ROW_TILE:
+        return product(x)
+    return torch.cat([product(x[k : k + ROW_TILE]) for k in range(0, rows, ROW_TILE)])
+
+
+class TiledLinears:
+    """A :class:`PackedLinear` for every ``nn.Linear`` of a model, for the generic
+    forward's batch invariance. :meth:`installed` routes the modules' forward through
+    them (leading dimensions flattened into rows) for the duration of a call and then
+    puts the modules back as they were: the model itself is never changed, so a copy
+    or a stock forward of it sees plain ``nn.Linear`` modules. Memory: a second copy of
+    each weight."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules: list[tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = []
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                bias = None if module.bias is None else module.bias.detach()
+                self.modules.append((module, _rows_of(PackedLinear(module.weight.detach(), bias))))
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        saved = [module.__dict__.get("forward") for module, _ in self.modules]
+        for module, forward in self.modules:
+            module.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            for (module, _), before in zip(self.modules, saved, strict=True):
+                if before is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = before
+
+
+def _rows_of(packed: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = packed(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def row_invariant(product: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype) -> bool:
+    """True when ``product`` gives every row of a probe ``[rows, in_features]`` the same
+    bits in a call of :data:`ROW_TILE` rows as in calls of fewer rows (multiples of 4),
+    at any offset."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        x = torch.randn((ROW_TILE, weight.shape[1]), generator=generator).to(weight.dtype)
+        x = torch.randn((ROW_TILE, in_features), generator=generator).to(dtype)
         full = product(x)
         for rows in _PROBE_ROWS:
             offset = ROW_TILE - rows

@@ -23,6 +23,7 @@ exactly where transformers' ``masked_scatter`` puts them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionBatch, paged_attention
-from engine.model.linear import PackedLinear
+from engine.model.linear import Int4Linear, PackedLinear
+from engine.model.q4_weights import Q4Matrix
 
 
 def language_parts(model: Any) -> tuple[Any, Any, Any]:
@@ -59,14 +61,17 @@ def supports(model: Any) -> bool:
     )
 
 
+Projection = PackedLinear | Int4Linear
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: PackedLinear
-    o: PackedLinear
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: PackedLinear
-    down: PackedLinear
+    gate_up: Projection
+    down: Projection
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +94,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 class LlamaForward:
     """Computes hidden states and logits of a flattened batch with a Llama model's weights."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+        """``q4_layers``: per layer, its projections (``q k v o gate up down``) as Q4_1
+        blocks, multiplied with :class:`~engine.model.linear.Int4Linear` instead of the
+        model's dense weights (ValueError if they do not fit the model)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         base, lm_head, config = language_parts(model)
@@ -102,20 +110,31 @@ class LlamaForward:
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight
         self.lm_head = PackedLinear(lm_head.weight)
-        self.layers = [self._fuse(layer) for layer in base.layers[: config.num_hidden_layers]]
+        layers = base.layers[: config.num_hidden_layers]
+        if q4_layers is not None and len(q4_layers) != len(layers):
+            raise ValueError(f"{len(q4_layers)} layers of 4-bit weights for a model of {len(layers)}")
+        self.layers = [self._fuse(layer, None if q4_layers is None else q4_layers[i]) for i, layer in enumerate(layers)]
 
     @staticmethod
-    def _fuse(layer: Any) -> _Layer:
+    def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        dense = {"qkv": qkv, "o": attn.o_proj.weight, "gate_up": gate_up, "down": mlp.down_proj.weight}
+        projections: dict[str, Projection]
+        if q4 is None:
+            projections = {name: PackedLinear(weight) for name, weight in dense.items()}
+        else:
+            blocks = {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
+                      "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
+            for name, matrix in blocks.items():
+                if tuple(matrix.codes.shape) != tuple(dense[name].shape):
+                    raise ValueError(f"4-bit {name} is {tuple(matrix.codes.shape)}, the model's {tuple(dense[name].shape)}")
+            projections = {name: Int4Linear(matrix, qkv.dtype) for name, matrix in blocks.items()}
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=PackedLinear(qkv),
-            o=PackedLinear(attn.o_proj.weight),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=PackedLinear(gate_up),
-            down=PackedLinear(mlp.down_proj.weight),
+            **projections,
         )
 
     @torch.inference_mode()

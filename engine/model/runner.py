@@ -26,13 +26,13 @@ gets the same bits alone, in any batch, cached or not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.model import attention, llama
+from engine.model import attention, linear, llama
 from engine.model.attention import (
     ROW_MULTIPLE,
     AttentionBatch,
@@ -41,6 +41,7 @@ from engine.model.attention import (
     padded_length,
 )
 from engine.model.kv_storage import KVStorage
+from engine.model.q4_weights import Q4Matrix
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,23 @@ class SequenceInput:
 class ModelRunner:
     """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
-    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None) -> None:
+    def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None,
+                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+        """``q4_layers``: the model's projections as Q4_1 blocks (the Llama forward then
+        multiplies with them; ValueError for another forward)."""
         attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
+        self._linears: linear.TiledLinears | None = None
+        if q4_layers is not None and not self.lean:
+            raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
-            self._llama = llama.LlamaForward(model)
+            self._llama = llama.LlamaForward(model, q4_layers)
         else:
             attention.install(model)
+            self._linears = linear.TiledLinears(model)
 
     def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
         """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
@@ -131,9 +139,11 @@ class ModelRunner:
             else:
                 if embeds is not None:
                     raise ValueError("input embeddings need the Llama forward")
-                out = self.model(
-                    input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
-                    logits_to_keep=rows, paged_batch=batch,
-                )
+                assert self._linears is not None
+                with self._linears.installed():
+                    out = self.model(
+                        input_ids=input_ids[None], position_ids=pos[None], use_cache=False,
+                        logits_to_keep=rows, paged_batch=batch,
+                    )
                 logits = out.logits[0]
             return logits[:num_logits].float()

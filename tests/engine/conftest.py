@@ -2,7 +2,8 @@
 
 ``tiny_engine`` wraps a 2-layer randomly initialised Llama with the bundled
 tokenizer's vocabulary; ``real_engine`` (session-scoped) serves the bundled
-SmolLM2-135M-Instruct in the default dtype; ``real_engine_fp32`` in float32.
+SmolLM2-135M-Instruct in the default dtype; ``real_engine_fp32`` in float32;
+``real_engine_q4`` with the GGUF's 4-bit projections (``weights="q4_1"``).
 Every engine fixture checks on teardown that all blocks went back to the free queue.
 """
 
@@ -84,11 +85,11 @@ def tiny_engine(make_tiny_engine):
     return make_tiny_engine()
 
 
-def _real_engine(dtype: str):
+def _real_engine(dtype: str, weights: str = "dense"):
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory_gib=0.25, seed=0))
+    return LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory_gib=0.25, seed=0, weights=weights))
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +104,16 @@ def real_engine() -> Iterator:
 @pytest.fixture(scope="session")
 def real_engine_fp32() -> Iterator:
     engine = _real_engine("float32")
+    engine.start()
+    yield engine
+    engine.shutdown()
+    _check_all_blocks_free(engine)
+
+
+@pytest.fixture(scope="session")
+def real_engine_q4() -> Iterator:
+    """The bundled model with ``weights="q4_1"`` (its GGUF's 4-bit blocks), bfloat16."""
+    engine = _real_engine("bfloat16", weights="q4_1")
     engine.start()
     yield engine
     engine.shutdown()

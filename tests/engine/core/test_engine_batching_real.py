@@ -1,4 +1,5 @@
-"""Batching exactness on the real bundled SmolLM2-135M-Instruct, in bfloat16 and float32.
+"""Batching exactness on the real bundled SmolLM2-135M-Instruct, in bfloat16 and float32,
+and with the GGUF's 4-bit projections (``weights="q4_1"``).
 
 Greedy outputs of requests run together (chunked prefill mixed with decodes,
 prefix cache cold and warm) equal the outputs of the same requests run one at a
@@ -48,7 +49,7 @@ def tokens_of(outputs):
 
 
 def twin(engine, **settings):
-    config = EngineConfig(kv_cache_memory_gib=0.1, served_model_name="twin", **settings)
+    config = EngineConfig(kv_cache_memory_gib=0.1, served_model_name="twin", weights=engine.config.weights, **settings)
     other = LLMEngine(engine.model, engine.tokenizer, config)
     other.start()
     return other
@@ -90,3 +91,7 @@ def test_batched_greedy_equals_one_at_a_time_in_the_default_dtype(real_engine):
 
 def test_batched_greedy_equals_one_at_a_time_in_float32(real_engine_fp32):
     check_batched_equals_one_at_a_time(real_engine_fp32)
+
+
+def test_batched_greedy_equals_one_at_a_time_with_4bit_weights(real_engine_q4):
+    check_batched_equals_one_at_a_time(real_engine_q4)

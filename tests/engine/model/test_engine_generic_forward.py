@@ -72,3 +72,24 @@ def test_generic_forward_batched_equals_one_at_a_time(qwen2_engine):
     batched = asyncio.run(go())
     assert [tokens(o) for o in batched] == alone
     assert [o[-1].num_cached_tokens for o in batched] == [0, 32, 48, 16]  # warm from the solo runs
+
+
+def test_generic_forward_rows_get_the_same_bits_alone_or_batched(qwen2_engine):
+    """Bit for bit, not only the greedy tokens: a decode row's logits alone equal its
+    logits next to another decode and a prefill chunk (8 and 40 rows in the call)."""
+    runner = qwen2_engine.runner
+    prompts = [prompt_of(30, offset=k) for k in range(2)]
+    tables = [list(range(10 + 3 * k, 13 + 3 * k)) for k in range(2)]
+    for ids, table in zip(prompts, tables, strict=True):  # each table's prefix K/V
+        runner.execute([SequenceInput(ids, 0, table, False)])
+    decodes = [SequenceInput([7 + k], 30, tables[k], True) for k in range(2)]
+    alone = [runner.execute([d])[0] for d in decodes]
+    prefill = SequenceInput(prompt_of(35, offset=9), 0, list(range(20, 23)), True)
+    together = runner.execute(decodes)
+    mixed = runner.execute([*decodes, prefill])
+    for k in range(2):
+        assert torch.equal(together[k], alone[k])
+        assert torch.equal(mixed[k], alone[k])
+    # the tiled products are installed for the runner's forward only: the model is left as it was
+    linears = [m for m in qwen2_engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" not in m.__dict__ for m in linears)

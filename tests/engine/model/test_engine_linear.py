@@ -62,8 +62,8 @@ def test_the_check_rejects_a_product_whose_rows_depend_on_the_count():
     def drifting(x):  # rounds differently above 8 rows, as a GEMM changing its blocking would
         return per_row(x) + (1e-3 if x.shape[0] > 8 else 0.0)
 
-    assert row_invariant(per_row, weight)
-    assert not row_invariant(drifting, weight)
+    assert row_invariant(per_row, 32, torch.float32)
+    assert not row_invariant(drifting, 32, torch.float32)
 
 
 @needs_packing(torch.bfloat16)
