@@ -19,6 +19,21 @@ keys come from the storage's pad block or stale slots and are masked. Precision
 matches transformers' "eager" attention: scores and probabilities in the model
 dtype, softmax accumulated in float32.
 
+The matrix products are row-independent only up to a row count. On a Xeon with AMX,
+oneDNN's bfloat16 kernel for probabilities times values (``[rows, keys] @ [keys,
+head_dim]``) sums a row's products over the keys in an order that depends on how many
+rows the call has once the keys are many: at 2,048 keys calls of 36-48 rows round some
+rows differently from calls of 4 or 768 rows, at 6-8k keys calls of 20-64 rows do;
+calls of at most 16 rows (one AMX tile) agreed with each other at every length and
+offset measured (256-8,192 keys). A cold prefill computes a token in a chunk of
+``Q_CHUNK`` queries (``heads / kv_heads * 256`` rows per KV head), a cache hit in a
+short tail (48 rows for a 16-token tail of the bundled model), a decode in 4: so that
+product runs in tiles of at most :data:`PV_TILE` rows (:func:`_weighted_values`), and
+the same token gets the same bits in all three. The scores product (``head_dim``
+deep) showed no such dependence and runs whole. Price (``benchmarks/attention_tiles.py``,
+bundled model, 2 threads): a cold 2k-token prefill 1.3x, 20 tokens over a cached 2k
+prefix 1.1x, decode steps unchanged (their products have 4 rows per sequence).
+
 The mask is by position: query ``i`` attends key ``j`` iff ``j <= position_i``; key
 ``j`` of a sequence is its position ``j`` (block tables are in position order).
 Queries are processed in chunks of :data:`Q_CHUNK` rows, each over the keys it can
@@ -40,6 +55,8 @@ KV_PAD = 64
 Q_CHUNK = 256
 ROW_MULTIPLE = 4
 """Matrix products get a multiple of this many rows (see :func:`_pad_rows`)."""
+PV_TILE = 16
+"""Most rows per probabilities-times-values product (see :func:`_weighted_values`)."""
 
 
 def padded_length(n: int) -> int:
@@ -134,6 +151,15 @@ def _pad_rows(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, q.new_zeros((*q.shape[:-2], extra, q.shape[-1]))], dim=-2)
 
 
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` in calls of at most :data:`PV_TILE` rows (``probs``' dim -2):
+    past 16 rows the bfloat16 kernel's reduction over the keys depends on the row count."""
+    rows = probs.shape[-2]
+    if rows <= PV_TILE:
+        return torch.matmul(probs, values)
+    return torch.cat([torch.matmul(probs[..., r : r + PV_TILE, :], values) for r in range(0, rows, PV_TILE)], dim=-2)
+
+
 def paged_attention(
     layer: int,
     query: torch.Tensor,
@@ -173,7 +199,7 @@ def _attend_decodes(
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, padded groups, length]
     scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
-    chunk = torch.matmul(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
+    chunk = _weighted_values(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
     # head h of a row is kv head h // groups, query group h % groups (transformers' GQA order)
     if first is not None:
         out[first : first + n].view(n, kv_heads, groups, head_dim).copy_(chunk.transpose(0, 1))
@@ -203,7 +229,7 @@ def _attend_sequence(
             tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
             tail.masked_fill_(seq.chunk_mask(cs, first_hidden, seen, rows), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
-        chunk = torch.matmul(probs, values[:, :seen])[:, : group * rows]
+        chunk = _weighted_values(probs, values[:, :seen])[:, : group * rows]
         chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
         out[seq.row + cs : seq.row + ce] = chunk.reshape(rows, heads * head_dim)
 
