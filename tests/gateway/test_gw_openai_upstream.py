@@ -188,7 +188,7 @@ def test_canonicalization_warnings_and_legacy_completions_still_work(tmp_path):
     assert chat_response.status_code == 200, chat_response.text
     assert chat_response.headers["x-prefixgate-warnings"]
     assert "tools" in chat_response.headers["x-prefixgate-canonicalized"]
-    assert [tool["function"]["name"] for tool in fake.bodies[0]["tools"]] == ["alpha", "zeta"]
+    assert [tool["function"]["name"] for tool in fake.bodies[0]["tools"]] == ["zeta", "alpha"]  # order is opt-in
     assert legacy.status_code == 200, legacy.text
     assert health.json() == {"status": "ok", "upstream": "ok"}  # OpenAI has no /health: /v1/models
     assert models.json()["data"][0]["id"] == "gpt-4o-mini"

@@ -41,9 +41,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for package in ("engine", "linter", "gateway", "migrations"):
         shutil.copytree(ROOT / package, source / package, ignore=ignore)
     pip = [sys.executable, "-m", "pip"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout is installed already
     built = subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"), str(source)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )
     assert built.returncode == 0, built.stderr
     (wheel,) = (base / "dist").glob("prefixgate-*.whl")
@@ -51,7 +52,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = base / "venv" / "bin" / "python"
     done = subprocess.run(
         [*pip, "--python", str(python), "install", "-q", str(wheel)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )
     assert done.returncode == 0, done.stderr
     return python.parent
