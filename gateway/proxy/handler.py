@@ -117,8 +117,6 @@ class Proxy:
         ``cache_salt``) and the canonical body, as chat requests (a Responses body's
         :func:`chat_view`, with the previous turn's items before the new input; the
         canonical one in the chat canonical form)."""
-        record.model = body["model"]
-        record.stream = bool(body.get("stream"))
         client_salt = body.pop("cache_salt", None)
         original = body
         if record.endpoint == "chat.completions":
@@ -141,6 +139,7 @@ class Proxy:
         on_thread = len(raw) > LOOP_MAX_BODY_BYTES
         body = (await anyio.to_thread.run_sync(parse_body, raw, record.endpoint) if on_thread
                 else parse_body(raw, record.endpoint))
+        record.model, record.stream = body["model"], bool(body.get("stream"))  # in the row even if refused below
         turn = await self.turns.begin(tenant.name, body) if record.endpoint == "responses" else None
         prepared = (await anyio.to_thread.run_sync(self._prepare, body, tenant, record, turn) if on_thread
                     else self._prepare(body, tenant, record, turn))

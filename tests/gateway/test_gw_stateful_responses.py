@@ -439,8 +439,8 @@ def test_the_row_of_a_continued_turn_is_written(tmp_path, engine_app):
                                           max_output_tokens=4)
             with pytest.raises(openai.BadRequestError):
                 await client.responses.create(model=MODEL, previous_response_id="resp_missing", input="x")
-        assert [(row.endpoint, row.status) for row in rows(settings.db_url)] == [
-            ("responses", 200), ("responses", 200), ("responses", 400)]
+        assert [(row.endpoint, row.status, row.model) for row in rows(settings.db_url)] == [
+            ("responses", 200, MODEL), ("responses", 200, MODEL), ("responses", 400, MODEL)]
         assert SECRET  # the same secret as every gateway test
     run(go())
 
