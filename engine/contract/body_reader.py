@@ -32,6 +32,7 @@ from types import TracebackType
 from starlette.requests import Request
 
 from engine.contract import errors
+from engine.contract.pixel_budget import trim_heap
 
 MIB = 1024 * 1024
 JSON_MEDIA_TYPE = "application/json"
@@ -39,6 +40,10 @@ JSON_MEDIA_TYPE = "application/json"
 # the scheduler's prefill sharing are keyed by it (without it: one body key for every
 # client, inside the overall budget; prefill by cache salt). Not isolation: the salt's job.
 TENANT_HEADER = "x-prefixgate-tenant"
+
+
+TRIM_AFTER_BYTES = 16 * MIB
+TRIM_DELAY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,22 @@ class BodyLease:
 class BodyReader:
     """One per server: its :class:`BodyLimits` and the bytes of bodies in flight, overall and per tenant.
 
-    Runs on the event loop only (no lock)."""
+    Runs on the event loop only (no lock).
+
+    Memory: the bytes of large bodies (and what parsing them built) leave the C heap
+    fragmented, in several malloc arenas when they were parsed on threads, and the
+    process keeps that RSS after a burst. Once the bodies in flight drop to zero after
+    at least :data:`TRIM_AFTER_BYTES` were released, the heap is trimmed
+    (``malloc_trim``) :data:`TRIM_DELAY_S` later, on a worker thread, if still none is
+    in flight: the delay lets the finished requests' objects go first."""
 
     def __init__(self, limits: BodyLimits | None = None) -> None:
         self.limits = limits or BodyLimits()
         self.in_flight = 0
         self.by_tenant: Counter[str] = Counter()
         self._leases: set[BodyLease] = set()
+        self._released = 0  # bytes released since the last trim
+        self._trim: asyncio.TimerHandle | None = None
 
     def lease(self, tenant: str = "") -> BodyLease:
         """An empty lease for one body of ``tenant`` (the budget's key; "" when unknown)."""
@@ -181,5 +195,18 @@ class BodyReader:
         self.by_tenant[lease.tenant] -= lease.held
         if not self.by_tenant[lease.tenant]:
             del self.by_tenant[lease.tenant]
+        self._released += lease.held
         lease.held = 0
         self._leases.discard(lease)
+        if not self.in_flight and self._released >= TRIM_AFTER_BYTES and self._trim is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # released outside a loop (a test): nothing to schedule
+                return
+            self._trim = loop.call_later(TRIM_DELAY_S, self._trim_if_idle, loop)
+
+    def _trim_if_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._trim = None
+        if not self.in_flight:
+            self._released = 0
+            loop.run_in_executor(None, trim_heap)

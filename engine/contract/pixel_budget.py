@@ -109,19 +109,32 @@ class PixelBudget:
             trim_heap()
 
 
-def _load_malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load_glibc(function: str, argtypes: list[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        found = getattr(ctypes.CDLL(name or "libc.so.6"), function)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    found.argtypes = argtypes
+    found.restype = ctypes.c_int
+    return found
 
 
-_MALLOC_TRIM = _load_malloc_trim()
+_MALLOC_TRIM = _load_glibc("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _load_glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def limit_malloc_arenas(count: int) -> bool:
+    """Let glibc's malloc create at most ``count`` arenas from now on (``mallopt
+    M_ARENA_MAX``); False where there is no such call. By default every thread that
+    allocates may get an arena of its own, and a large body parsed on a worker thread
+    leaves its pages there: after a burst over many threads the process kept ~3x its
+    idle RSS (``benchmarks/gateway_memory.py``), with two arenas and :func:`trim_heap`
+    1.14x."""
+    if _MALLOPT is None:
+        return False
+    return bool(_MALLOPT(_M_ARENA_MAX, count))
 
 
 def trim_heap() -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import logging
 
+from engine.contract.pixel_budget import limit_malloc_arenas
+
 
 def configure_logging(log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -24,7 +26,12 @@ def settle_heap(young_threshold: int = 50_000) -> None:
     gateway's CPU. Reference counting still frees a request's objects as soon as it
     ends; only reference cycles wait for a collection, and those are few and small.
     Call once, after the app is built, in the process that serves it.
+
+    Also caps the C heap at two malloc arenas (:func:`limit_malloc_arenas`): the
+    bodies parsed on worker threads then leave no per-thread arenas behind, and the
+    body reader's trim after a burst gives the pages back.
     """
+    limit_malloc_arenas(2)
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()

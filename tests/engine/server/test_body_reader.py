@@ -173,3 +173,54 @@ def test_require_json_names_what_it_got():
         require_json("text/plain")
     with pytest.raises(APIError, match="got none"):
         require_json(None)
+
+
+def test_the_heap_is_trimmed_once_large_bodies_are_gone(monkeypatch):
+    """After >= TRIM_AFTER_BYTES were released and nothing is in flight, the C heap is
+    trimmed once on a worker thread; not while another body is still held."""
+    import threading
+
+    from engine.contract import body_reader
+
+    trimmed = threading.Event()
+    calls: list[int] = []
+
+    def fake_trim() -> bool:
+        calls.append(1)
+        trimmed.set()
+        return True
+
+    monkeypatch.setattr(body_reader, "trim_heap", fake_trim)
+    monkeypatch.setattr(body_reader, "TRIM_DELAY_S", 0.0)
+    big = body_reader.TRIM_AFTER_BYTES
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        reader = BodyReader(BodyLimits(max_bytes=big, inflight_bytes=4 * big, tenant_inflight_bytes=4 * big))
+        small = reader.lease("a")
+        small.take(10)
+        small.release()
+        assert reader._trim is None  # too few bytes released
+        first, second = reader.lease("a"), reader.lease("b")
+        first.take(big)
+        second.take(1)
+        first.release()
+        assert reader._trim is None  # a body is still in flight
+        second.release()
+        assert reader._trim is not None
+        reader.check_integrity()
+        assert await loop.run_in_executor(None, trimmed.wait, 30)
+        assert calls == [1] and reader._trim is None and reader._released == 0
+        again = reader.lease("a")
+        again.take(big)
+        again.release()
+        handle = reader._trim
+        assert handle is not None
+        handle.cancel()
+        late = reader.lease("b")
+        late.take(1)
+        reader._trim_if_idle(loop)  # the timer fires while a new body is held: no trim
+        assert calls == [1] and reader._released >= big
+        late.release()
+
+    asyncio.run(go())
