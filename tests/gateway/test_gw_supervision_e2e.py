@@ -68,6 +68,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _bindable(port: int) -> bool:
+    try:
+        ensure_free("127.0.0.1", port, "test")
+    except ValueError:
+        return False
+    return True
+
+
 def wait_until(condition, what: str, timeout: float) -> float:
     """Seconds until ``condition()`` held (polled); fails after ``timeout``."""
     began = time.monotonic()
@@ -156,8 +164,8 @@ def test_stopped_replica_killed_serve_and_restarted_engine(tmp_path) -> None:
         serve.kill()
         serve.wait(60)
         took = wait_until(lambda: not any(alive(pid) for pid in pids.values()), "an engine survived serve", 30)
-        for p in (port, engine_port, engine_port + 1, metrics_port):
-            ensure_free("127.0.0.1", p, "test")
+        for p in (port, engine_port, engine_port + 1, metrics_port):  # released within moments
+            wait_until(lambda p=p: _bindable(p), f"port {p} still held after kill -9 of serve", 10)
         print(f"engines gone {took:.2f} s after kill -9 of serve")
     finally:
         if serve.poll() is None:
