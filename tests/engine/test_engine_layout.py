@@ -17,10 +17,12 @@ ALLOWED = {  # subpackage -> subpackages it may import (besides itself)
     # what engine, gateway and linter share byte for byte: torch-free (see the test below)
     "contract": {"kvcache"},
     "model": {"kvcache", "config", "model_store", "multimodal"},
-    "core": {"model", "kvcache", "config", "multimodal"},
-    "server": {"core", "kvcache", "config", "structured", "contract", "multimodal"},
+    "core": {"model", "kvcache", "config", "multimodal", "promptcache"},
+    "server": {"core", "kvcache", "config", "structured", "contract", "multimodal", "promptcache"},
     "multimodal": {"kvcache", "contract"},  # processor, vision tower, encoder cache: torch + transformers
     "structured": set(),  # grammar-constrained decoding: llguidance + torch, nothing of ours
+    # PML and the SegmentedPrompt contract: torch-free
+    "promptcache": {"contract"},
 }
 
 
