@@ -30,7 +30,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.promptcache.chat_roles import ROLES, RoleTemplate
-from engine.promptcache.pml_schema import Choice, CompiledSchema, ModuleDef, Nested, ParamSlot, TextPiece, only_attrs
+from engine.promptcache.pml_schema import (
+    Choice,
+    CompiledSchema,
+    ModuleDef,
+    Nested,
+    ParamSlot,
+    TextPiece,
+    only_attrs,
+)
 from engine.promptcache.pml_syntax import Element, PmlError, Text
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
