@@ -116,6 +116,7 @@ class ChatPrompt:
     mm_items: tuple[MultiModalItem, ...] = ()
     images: tuple[ImageData, ...] = ()
     mm_inputs: tuple[Any, ...] = ()
+    text: str | None = None  # the rendered text the ids were tokenized from (text-only prompts)
 
 
 class ChatRenderer:
@@ -181,7 +182,7 @@ class ChatRenderer:
             # (seconds for large ones) without holding up text-only requests on this lock.
             return self._process(text, images) if images else self._text_only(token_ids)
         if not images:
-            return ChatPrompt(token_ids)
+            return ChatPrompt(token_ids, text=text)
         return self._expand_images(token_ids, images)
 
     def encode(self, text: str) -> list[int]:
