@@ -171,6 +171,8 @@ class PromptModules:
             raise errors.invalid_param("'segment_reuse' must be a boolean.", "segment_reuse", "invalid_type")
         on = self.segment_reuse_default if wanted is None else wanted
         recovery = parse_recovery(raw.get("recovery"))
+        if not on and raw.get("recovery") is not None:
+            raise errors.invalid_param("'recovery' needs \"segment_reuse\": true.", "recovery")
         if not on or not text:
             return None
         return segment_chat(self.tokenizer, text, token_ids, chat_documents(messages), recovery)

@@ -117,6 +117,15 @@ def test_chat_segment_reuse_cuts_the_normal_prompt(live, client):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
+def test_recovery_without_segment_reuse_is_refused(http):
+    res = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                   "recovery": {"mode": "none"}})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "recovery"
+    res = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                   "segment_reuse": "yes"})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "segment_reuse"
+
+
 def test_server_default_segment_reuse(tiny_engine):
     import orjson
 
