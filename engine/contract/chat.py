@@ -149,6 +149,13 @@ class ChatRenderer:
         self._lock = threading.Lock()
         self.max_token_chars = max_token_chars(tokenizer)
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Held around every use of the tokenizer here; other users of the same tokenizer
+        (the PML compiler) hold it too, as ``transformers`` tokenizers are not safe to
+        reconfigure while another thread encodes."""
+        return self._lock
+
     def render(self, messages: Sequence[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
         """Token ids of the conversation followed by the assistant's generation prompt."""

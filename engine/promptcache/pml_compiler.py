@@ -44,31 +44,37 @@ class PmlLimits:
 class PmlCompiler:
     """Compiles PML for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, limits: PmlLimits) -> None:
+    def __init__(self, tokenizer: Any, limits: PmlLimits, tokenizer_lock: threading.Lock | None = None) -> None:
+        """``tokenizer_lock``: held around every tokenizer call (shared with the tokenizer's
+        other users in the process)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self._lock = threading.Lock()
+        self._tokenizer_lock = tokenizer_lock or threading.Lock()
         self._roles: RoleTemplate | ValueError | None = None
-        self.leading = tuple(int(t) for t in tokenizer.encode("", add_special_tokens=True))
+        with self._tokenizer_lock:
+            self.leading = tuple(int(t) for t in tokenizer.encode("", add_special_tokens=True))
+            self._leading_text = str(tokenizer.decode(list(self.leading))) if self.leading else ""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a piece of text, without special tokens added."""
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)] if text else []
+        if not text:
+            return []
+        with self._tokenizer_lock:
+            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def roles(self) -> RoleTemplate:
         """The chat template's role glue; ValueError when the template cannot be split."""
         with self._lock:
             if self._roles is None:
                 try:
-                    self._roles = role_template(self.tokenizer, self._leading_text())
+                    with self._tokenizer_lock:
+                        self._roles = role_template(self.tokenizer, self._leading_text)
                 except ValueError as exc:
                     self._roles = exc
             if isinstance(self._roles, ValueError):
                 raise ValueError(str(self._roles))
             return self._roles
-
-    def _leading_text(self) -> str:
-        return str(self.tokenizer.decode(list(self.leading))) if self.leading else ""
 
     def schema(self, source: str) -> CompiledSchema:
         """A compiled ``<schema>``; PmlError for anything wrong with it."""

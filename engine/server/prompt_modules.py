@@ -26,6 +26,7 @@ error names its line and column (``code: "invalid_pml"``), a full registry is 42
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import orjson
@@ -93,9 +94,13 @@ class PromptModules:
     """The PML compiler and schema registry of one engine server (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, bodies: BodyReader, *,
-                 segment_reuse: bool = False, registry: SchemaRegistry | None = None) -> None:
+                 segment_reuse: bool = False, registry: SchemaRegistry | None = None,
+                 tokenizer_lock: threading.Lock | None = None) -> None:
+        """``tokenizer_lock``: the lock the server's other tokenizer users hold
+        (:attr:`engine.contract.chat.ChatRenderer.lock`)."""
         self.tokenizer = tokenizer
-        self.compiler = PmlCompiler(tokenizer, PmlLimits(max_param_tokens=max_model_len))
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()
+        self.compiler = PmlCompiler(tokenizer, PmlLimits(max_param_tokens=max_model_len), self.tokenizer_lock)
         self.registry = registry or SchemaRegistry()
         self.bodies = bodies
         self.segment_reuse_default = segment_reuse
@@ -175,4 +180,5 @@ class PromptModules:
             raise errors.invalid_param("'recovery' needs \"segment_reuse\": true.", "recovery")
         if not on or not text:
             return None
-        return segment_chat(self.tokenizer, text, token_ids, chat_documents(messages), recovery)
+        with self.tokenizer_lock:
+            return segment_chat(self.tokenizer, text, token_ids, chat_documents(messages), recovery)

@@ -133,7 +133,7 @@ class RequestHandler:
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
         self.metrics = EngineMetrics(engine, engine.model_id)
         self.prompt_modules = PromptModules(engine.tokenizer, engine.max_model_len, bodies,
-                                            segment_reuse=segment_reuse)
+                                            segment_reuse=segment_reuse, tokenizer_lock=self.renderer.lock)
         self.created = int(time.time())
         self._compiler: Any = None  # GrammarCompiler, built on first use (about a second)
         self._compiler_lock = threading.Lock()
