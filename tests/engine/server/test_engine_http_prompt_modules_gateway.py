@@ -89,3 +89,17 @@ def test_two_tenants_cannot_use_list_or_delete_each_others_schemas(stack, tiny_e
     assert [r.cached_tokens for r in rows() if r.status == 200] == [out.usage.prompt_tokens_details.cached_tokens]
     kv = tiny_engine.kv_cache_manager
     wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 30, "every block back in the free queue")
+
+
+def test_segment_reuse_passes_through_the_gateway(stack, tiny_engine):
+    _engine_url, gateway_url, _db_url = stack
+    sdk = openai.OpenAI(base_url=gateway_url + "/v1", api_key=ALICE, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": [{"type": "text", "text": DOC}, {"type": "text", "text": "When?"}]}]
+    plain = sdk.chat.completions.create(model=tiny_engine.model_id, messages=messages, max_tokens=2)
+    reused = sdk.chat.completions.create(model=tiny_engine.model_id, messages=messages, max_tokens=2,
+                                         extra_body={"segment_reuse": True})
+    assert reused.usage.prompt_tokens == plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:  # the engine's refusal reaches the client as it was
+        sdk.chat.completions.create(model=tiny_engine.model_id, messages=messages, max_tokens=2,
+                                    extra_body={"segment_reuse": "yes"})
+    assert info.value.body["param"] == "segment_reuse"
