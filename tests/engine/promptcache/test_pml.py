@@ -216,6 +216,16 @@ def test_registry_is_per_salt_and_bounded(compiler):
     small = SchemaRegistry(max_tokens=trip.total_tokens - 1)
     with pytest.raises(RegistryFull):
         small.put(None, trip)
+    overall = SchemaRegistry(max_total_tokens=trip.total_tokens + other.total_tokens)
+    overall.put("a", trip)
+    overall.put("b", other)
+    overall.put("b", other)  # replacing counts once
+    with pytest.raises(RegistryFull) as full:
+        overall.put("c", third)
+    assert not full.value.per_salt
+    assert overall.delete("a", "trip")
+    overall.put("c", third)
+    overall.check_integrity()
 
 
 def test_segment_chat_is_the_normal_prompt(bundled_tokenizer):
