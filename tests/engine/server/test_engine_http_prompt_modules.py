@@ -69,13 +69,10 @@ def test_pml_completion_prompt_is_the_intended_text(http, client, tiny_engine, b
     compiled = PmlCompiler(bundled_tokenizer, PmlLimits(max_param_tokens=tiny_engine.max_model_len)).prompt(
         PROMPT, {"rag": PmlCompiler(bundled_tokenizer, PmlLimits(512)).schema(SCHEMA)}.get)
     assert out.usage.prompt_tokens == len(compiled.token_ids)
-    expected = bundled_tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Answer from the documents."},
-         {"role": "user", "content": DOC_B + DOC_A},  # module text outside a role tag joins the next turn's
-         ], tokenize=False, add_generation_prompt=False)
-    text = bundled_tokenizer.decode(compiled.token_ids)
-    assert text.startswith(expected.split("<|im_start|>user")[0])
-    assert DOC_B + DOC_A + "<|im_start|>user\nQuestion: when does it flood?<|im_end|>\n<|im_start|>assistant\n" in text
+    # ChatML glue around the role tags; the modules outside any role tag are bare text.
+    assert bundled_tokenizer.decode(compiled.token_ids) == (
+        "<|im_start|>system\nAnswer from the documents.<|im_end|>\n" + DOC_B + DOC_A
+        + "<|im_start|>user\nQuestion: when does it flood?<|im_end|>\n<|im_start|>assistant\n")
     # The same tokens sent as plain ids give a prompt of the same length.
     plain = client.completions.create(model="tiny-llama", prompt=compiled.token_ids, max_tokens=1)
     assert plain.usage.prompt_tokens == out.usage.prompt_tokens
