@@ -6,7 +6,10 @@ prompts are submitted, and once every one of them has its first token (prefills
 done) the engine's decode steps are measured twice, each over ``steps`` steps:
 
 * **plain**: the wall time of ``LLMEngine.step`` (a ``perf_counter`` around it), no
-  profiler: what a step costs;
+  profiler: what a step costs; and the loop thread's CPU time of the step
+  (``time.thread_time``): with ``--engine-threads 1`` the figure to read on a shared
+  machine, where waiting for a core inflates wall times (at load 10-13 on 2 cores,
+  3x);
 * **profiled**: ``torch.profiler`` on the loop thread, with a named scope around each
   part of the step (wrappers installed in this process only): the projections
   (``PackedLinear`` calls of the layers), the LM head, attention (K/V write, gather,
@@ -87,6 +90,7 @@ def profile_decode(streams: int, steps: int, prompts: list[list[int]], num_threa
 def _measure(engine: LLMEngine, streams: int, steps: int, prompts: list[list[int]]) -> dict[str, Any]:
     step = engine.step
     plain: list[float] = []
+    plain_cpu: list[float] = []
     profiled = [0]
     undo: list[Callable[[], None]] = []
     prof = profile(activities=[ProfilerActivity.CPU])
@@ -94,9 +98,10 @@ def _measure(engine: LLMEngine, streams: int, steps: int, prompts: list[list[int
 
     def measured_step() -> None:  # on the loop thread: plain steps, then profiled ones
         if len(plain) < steps:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             step()
             plain.append(time.perf_counter() - start)
+            plain_cpu.append(time.thread_time() - cpu)
             if len(plain) == steps:
                 undo.append(_instrument(engine))
                 prof.start()
@@ -136,6 +141,7 @@ def _measure(engine: LLMEngine, streams: int, steps: int, prompts: list[list[int
         "steps": steps,
         "plain_step_ms_median": statistics.median(plain) * 1e3,
         "plain_step_ms_min": min(plain) * 1e3,
+        "plain_step_cpu_ms_median": statistics.median(plain_cpu) * 1e3,
         "profiled_step_ms": per["step"],
         "parts_ms": parts,
         "aten_ops_per_step": aten_ops / steps,
@@ -147,7 +153,8 @@ def show(row: dict[str, Any]) -> str:
     step = row["profiled_step_ms"] or 1.0
     lines = [
         f"decode step, {row['streams']} stream(s): plain median {row['plain_step_ms_median']:.1f} ms "
-        f"(min {row['plain_step_ms_min']:.1f}) over {row['steps']} steps; profiled {step:.1f} ms, "
+        f"(min {row['plain_step_ms_min']:.1f}, loop thread CPU {row['plain_step_cpu_ms_median']:.1f}) "
+        f"over {row['steps']} steps; profiled {step:.1f} ms, "
         f"{row['aten_ops_per_step']:.0f} aten calls per step",
     ]
     for name, ms in sorted(row["parts_ms"].items(), key=lambda kv: -kv[1]):

@@ -27,7 +27,7 @@ TTFT is the engine's own measurement (arrival to first sampled token). It prints
 a table of medians and writes benchmarks/results/ttft.json, including whether
 cold and warm greedy outputs were identical and the issue's targets.
 
-Usage: .venv/bin/python benchmarks/ttft.py [--runs 5] [--dtype auto] [--threads N] [--llama]
+Usage: .venv/bin/python benchmarks/ttft.py [--runs 5] [--dtype auto] [--threads N] [--llama] [--weights q4_1]
 """
 
 from __future__ import annotations
@@ -193,12 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
     parser.add_argument("--llama", action="store_true", help="also measure llama.cpp's server")
+    parser.add_argument("--weights", default="dense", choices=("dense", "q4_1"),
+                        help="the engines' projections (EngineConfig.weights; default: dense)")
     args = parser.parse_args(argv)
 
-    config = EngineConfig(dtype=args.dtype, kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0)
+    config = EngineConfig(dtype=args.dtype, kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0,
+                          weights=args.weights)
     cached = LLMEngine.from_config(config)
     plain = LLMEngine(cached.model, cached.tokenizer, EngineConfig(
-        dtype=args.dtype, kv_cache_memory_gib=0.5, enable_prefix_caching=False, served_model_name="plain"
+        dtype=args.dtype, kv_cache_memory_gib=0.5, enable_prefix_caching=False, served_model_name="plain",
+        weights=args.weights,
     ))
     timers = {"cached": Timer(cached), "plain": Timer(plain)}
     cached.start()

@@ -55,6 +55,8 @@ ROW_TILE = 32
 """Most rows per kernel call: at 1-32 rows the measured kernels give a row the same
 bits whatever the count (a multiple of 4)."""
 _PROBE_ROWS = (4, 8, 12, 20, 28)
+_LONE_ROWS = (1, 2, 3, 5, 7)
+"""Row counts that are not a multiple of 4, probed for :attr:`PackedLinear.any_rows`."""
 
 
 def _packing_available(dtype: torch.dtype) -> bool:
@@ -66,7 +68,12 @@ def _packing_available(dtype: torch.dtype) -> bool:
 class PackedLinear:
     """``x @ weight.T (+ bias)`` for ``x`` ``[rows, in]``, computed in tiles of at most
     :data:`ROW_TILE` rows: oneDNN-packed where that is row-invariant, else ``F.linear``.
-    Never changes ``weight``."""
+    Never changes ``weight``.
+
+    ``any_rows``: the product also gives a row the same bits in calls of 1-3 rows (and
+    counts that are not a multiple of 4), probed at construction: callers may then
+    skip the padding to a multiple of 4 rows (bfloat16 on AMX does; oneDNN's float32
+    kernel rounds a lone row differently and does not)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
@@ -82,6 +89,7 @@ class PackedLinear:
                 "batched outputs may differ from one-at-a-time ones",
                 *weight.shape, weight.dtype,
             )
+        self.any_rows = row_invariant(self._product, weight.shape[1], weight.dtype, _LONE_ROWS)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -108,7 +116,12 @@ class Int4Linear:
     model took 11.7 ms at 4 rows against 24.5 ms packed bfloat16, but 71.5 against
     35.4 ms at 32 rows. The scales are rounded to bfloat16 (the kernel's dtype), so the
     weights differ from the dense checkpoint's by up to a bfloat16 rounding of ``d``
-    and ``m + 8d`` per block: opt-in (``EngineConfig.weights``)."""
+    and ``m + 8d`` per block: opt-in (``EngineConfig.weights``).
+
+    ``any_rows`` as in :class:`PackedLinear`. It matters more here: the kernel's time
+    grows with the rows even at decode sizes (all 120 projections of the bundled
+    model, 1 thread: ~13 ms at 1 row, ~28 ms at 4, ~54 ms at 8), so a lone decode row
+    left unpadded costs about half of a padded one."""
 
     def __init__(self, matrix: Any, dtype: torch.dtype = torch.bfloat16) -> None:
         out, cols = matrix.codes.shape
@@ -119,6 +132,7 @@ class Int4Linear:
         )
         if not row_invariant(self._product, cols, dtype):
             logger.warning("the 4-bit %s x %s product's row bits depend on the row count on this CPU", out, cols)
+        self.any_rows = row_invariant(self._product, cols, dtype, _LONE_ROWS)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.scales_and_zeros)
@@ -173,15 +187,18 @@ def _rows_of(packed: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
-def row_invariant(product: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype) -> bool:
+def row_invariant(
+    product: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+    counts: tuple[int, ...] = _PROBE_ROWS,
+) -> bool:
     """True when ``product`` gives every row of a probe ``[rows, in_features]`` the same
-    bits in a call of :data:`ROW_TILE` rows as in calls of fewer rows (multiples of 4),
-    at any offset."""
+    bits in a call of :data:`ROW_TILE` rows as in calls of fewer rows (``counts``: by
+    default multiples of 4), at the first and the last offset."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         x = torch.randn((ROW_TILE, in_features), generator=generator).to(dtype)
         full = product(x)
-        for rows in _PROBE_ROWS:
+        for rows in counts:
             offset = ROW_TILE - rows
             if not torch.equal(product(x[:rows]), full[:rows]):
                 return False

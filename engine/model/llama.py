@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBatch, paged_attention
+from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
 from engine.model.linear import Int4Linear, PackedLinear
 from engine.model.q4_weights import Q4Matrix
 
@@ -87,12 +87,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     halves is one ``flip`` of a ``[.., 2, half]`` view, and ``(-a) * s == a * (-s)``
     exactly, so the bits are transformers'."""
     t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
-    return x * cos + swapped * signed_sin
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # a copy: multiplied in place
+    return torch.mul(x, cos).add_(swapped.mul_(signed_sin))
 
 
 class LlamaForward:
-    """Computes hidden states and logits of a flattened batch with a Llama model's weights."""
+    """Computes hidden states and logits of a flattened batch with a Llama model's weights.
+
+    ``row_multiple``: callers pad the flattened batch and the logit rows to a multiple
+    of it. :data:`~engine.model.attention.ROW_MULTIPLE` unless every product (the
+    projections and the LM head) gives a row the same bits at any row count
+    (``any_rows``, probed when they are built), then 1: a lone decode row is computed
+    alone (attention pads its own products; RMSNorm and the elementwise ops are
+    row-independent at any count, measured at 1-32 rows on 1 and 2 threads)."""
 
     def __init__(self, model: Any, q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
         """``q4_layers``: per layer, its projections (``q k v o gate up down``) as Q4_1
@@ -114,6 +121,8 @@ class LlamaForward:
         if q4_layers is not None and len(q4_layers) != len(layers):
             raise ValueError(f"{len(q4_layers)} layers of 4-bit weights for a model of {len(layers)}")
         self.layers = [self._fuse(layer, None if q4_layers is None else q4_layers[i]) for i, layer in enumerate(layers)]
+        products = [self.lm_head, *(p for x in self.layers for p in (x.qkv, x.o, x.gate_up, x.down))]
+        self.row_multiple = 1 if all(p.any_rows for p in products) else ROW_MULTIPLE
 
     @staticmethod
     def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None) -> _Layer:
@@ -163,10 +172,10 @@ class LlamaForward:
             qk = _rope(qkv[:, :qk_size].view(rows, qk_heads, self.head_dim), cos, signed_sin)
             v = qkv[:, qk_size:].view(rows, self.kv_heads, self.head_dim)
             attn = paged_attention(i, qk[:, :heads], qk[:, heads:], v, batch, self.scale)
-            hidden = hidden + layer.o(attn)
+            hidden.add_(layer.o(attn))
             x = _rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
         last = _rms_norm(hidden[logit_rows], self.norm, self.eps)
         return self.lm_head(last)
 

@@ -17,8 +17,9 @@ Batch invariance: a CPU matrix product's row results depend on how many rows it
 has (oneDNN's float32 kernel rounds a lone row differently; AMX bfloat16 and MKL
 float32 kernels change their blocking with the count), so the flattened batch and
 the rows whose logits are computed are padded to a multiple of
-:data:`~engine.model.attention.ROW_MULTIPLE`, and the projections run in tiles of at
-most :data:`~engine.model.linear.ROW_TILE` rows (:mod:`engine.model.linear`). Attention is computed per
+:data:`~engine.model.attention.ROW_MULTIPLE` (of 1 where the Llama forward's
+products were probed row-invariant at any count: ``LlamaForward.row_multiple``), and
+the projections run in tiles of at most :data:`~engine.model.linear.ROW_TILE` rows (:mod:`engine.model.linear`). Attention is computed per
 sequence (prefill chunks) or per group of single-token sequences with equally long
 block tables (decodes), with the same per-sequence shapes either way, so a token
 gets the same bits alone, in any batch, cached or not.
@@ -121,13 +122,14 @@ class ModelRunner:
             for members in decodes.values()
         ]
         num_logits = len(logit_rows)
-        pad = -len(ids) % ROW_MULTIPLE
+        multiple = self._llama.row_multiple if self._llama is not None else ROW_MULTIPLE
+        pad = -len(ids) % multiple
         ids.extend([0] * pad)
         positions.extend([0] * pad)
         slots.extend([storage.pad_slot] * pad)
-        logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % ROW_MULTIPLE or 0))
+        logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % multiple))
         if not logit_rows:
-            logit_rows = [0] * ROW_MULTIPLE
+            logit_rows = [0] * multiple
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)

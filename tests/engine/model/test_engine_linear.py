@@ -77,3 +77,41 @@ def test_bfloat16_llama_forward_packs_every_projection(tiny_model):
     # The fused matrices are still what the transformers modules compute with.
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == forward.layers[0].qkv.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=needs_packing(d)) for d in DTYPES], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_any_rows_is_true_only_where_a_lone_row_gets_its_batched_bits(shape, dtype):
+    """``any_rows`` (which lets the runner skip padding a lone decode row to 4) is a
+    claim about every count 1-32, checked here beyond the construction probe."""
+    generator = torch.Generator().manual_seed(sum(shape) + 1)
+    linear = PackedLinear((torch.randn(shape, generator=generator) * 0.05).to(dtype))
+    x = torch.randn((ROW_TILE + 8, shape[1]), generator=generator).to(dtype)
+    with torch.inference_mode():
+        full = linear(x[:ROW_TILE])
+        same = all(torch.equal(linear(x[k : k + rows]), full[k : k + rows])
+                   for rows in range(1, ROW_TILE + 1) for k in (0, ROW_TILE - rows))
+    if linear.any_rows:
+        assert same
+    assert linear.any_rows or not row_invariant(linear._product, shape[1], dtype, (1, 2, 3, 5, 7))
+
+
+def test_the_lone_row_probe_rejects_a_product_that_rounds_few_rows_differently():
+    weight = torch.randn(64, 32)
+
+    def lone_differs(x):  # like oneDNN's float32 kernel on a lone row
+        return x[:, :1] * weight[:, 0] + (1e-3 if x.shape[0] < 4 else 0.0)
+
+    assert row_invariant(lone_differs, 32, torch.float32)  # multiples of 4 agree
+    assert not row_invariant(lone_differs, 32, torch.float32, (1, 2, 3))
+
+
+def test_the_forward_pads_rows_only_where_some_product_needs_it(tiny_model):
+    import copy
+
+    from engine.model.attention import ROW_MULTIPLE
+
+    for dtype in (torch.bfloat16, torch.float32):
+        forward = LlamaForward(copy.deepcopy(tiny_model).to(dtype))
+        products = [forward.lm_head, *(p for x in forward.layers for p in (x.qkv, x.o, x.gate_up, x.down))]
+        assert forward.row_multiple == (1 if all(p.any_rows for p in products) else ROW_MULTIPLE)
