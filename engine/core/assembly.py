@@ -1,0 +1,129 @@
+"""Assembly: the plan for one segmented request's KV (which modules, which runs to compute).
+
+Plain data and pure functions (no torch, no cache): :mod:`engine.core.module_assembler`
+fills and executes the plan. See there for the whole mechanism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+from engine.kvcache.block_hash import BlockHash
+from engine.kvcache.kv_cache_block import KVCacheBlock
+from engine.promptcache.segments import Recovery, SegmentedPrompt
+
+ANCHOR_MAX_TOKENS = 64
+"""Longest first segment used as the anchor modules are encoded after."""
+
+
+def assembly_key(segmented: SegmentedPrompt) -> bytes:
+    """What, besides the tokens and the salt, an assembled request's KV depends on:
+    segment lengths and module names, and the recovery."""
+    r = segmented.recovery
+    parts = [f"{r.mode}|{r.first_tokens}|{r.fraction!r}"]
+    parts += [f"{len(s.token_ids)}:{s.module or ''}" for s in segmented.segments]
+    return hashlib.sha256("\x00".join(parts).encode("utf-8")).digest()
+
+
+def anchor_of(segmented: SegmentedPrompt) -> tuple[int, ...]:
+    """The tokens modules of this prompt are encoded after (see the module docstring)."""
+    first = segmented.segments[0]
+    if first.module is None and len(first.token_ids) <= ANCHOR_MAX_TOKENS and len(segmented.segments) > 1:
+        return first.token_ids
+    return ()
+
+
+def cacheblend_positions(length: int, fraction: float) -> list[int]:
+    """Offsets within a module to recompute under ``cacheblend`` (simplified).
+
+    CacheBlend recomputes the tokens whose KV deviates most from a full prefill,
+    found by a first-layers pass. Without that pass, this picks by where deviation is
+    largest in a module encoded alone: at its start (tokens that saw the least of
+    their own context and may act as attention sinks), then spread evenly over the
+    rest (half the budget each), ``ceil(fraction * length)`` tokens in all."""
+    budget = min(length, math.ceil(fraction * length - 1e-9))
+    if budget <= 0:
+        return []
+    head = (budget + 1) // 2
+    chosen = set(range(head))
+    rest = budget - head
+    if rest > 0:
+        step = (length - head) / rest
+        chosen.update(head + int(i * step) for i in range(rest))
+    return sorted(chosen)
+
+
+@dataclass
+class ModuleUse:
+    """One module segment of a request and the module blocks it holds."""
+
+    name: str
+    offset: int
+    length: int
+    tokens: list[int]
+    anchor_len: int
+    hashes: list[BlockHash]
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    encoded: int = 0
+    """Tokens of ``tokens`` whose K/V are written or scheduled."""
+
+
+@dataclass
+class Assembly:
+    """A segmented request's assembly state for one admission (rebuilt after preemption)."""
+
+    uses: list[ModuleUse]
+    runs: list[tuple[int, int]]
+    hit: int
+    """Prompt tokens found on the assembled chain (neither copied nor computed)."""
+    num_reused: int
+    """Module tokens copied and not recomputed (from modules already cached)."""
+    copied: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Work left to schedule: encodes, the copies or runs."""
+        return not self.copied or bool(self.runs)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(u.tokens) - u.encoded for u in self.uses) + sum(e - s for s, e in self.runs)
+
+    def frontier(self, end: int) -> int:
+        """The request's ``num_computed_tokens`` after a forward that reached ``end``:
+        the first position still to compute (everything before it is final)."""
+        return self.runs[0][0] if self.runs else end
+
+
+def _merge(positions: set[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for p in sorted(positions):
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def plan_runs(segmented: SegmentedPrompt, num_cached: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Positions to compute (after the hit ``num_cached``), as sorted runs: the plain
+    segments, the recovery tokens, the last prompt token and, for a request
+    re-admitted after preemption, its generated tokens (up to ``num_tokens``)."""
+    rec: Recovery = segmented.recovery
+    todo: set[int] = set()
+    offset = 0
+    for seg in segmented.segments:
+        n = len(seg.token_ids)
+        if seg.module is None:
+            todo.update(range(offset, offset + n))
+        elif rec.mode == "epic":
+            todo.update(range(offset, offset + min(rec.first_tokens, n)))
+        elif rec.mode == "cacheblend":
+            todo.update(offset + i for i in cacheblend_positions(n, rec.fraction))
+        offset += n
+    todo.update(range(offset - 1, num_tokens))
+    return _merge({p for p in todo if p >= num_cached})
+
+
