@@ -35,24 +35,25 @@ def anchor_of(segmented: SegmentedPrompt) -> tuple[int, ...]:
     return ()
 
 
-def cacheblend_positions(length: int, fraction: float) -> list[int]:
-    """Offsets within a module to recompute under ``cacheblend`` (simplified).
+def cacheblend_positions(modules: list[tuple[int, int]], fraction: float, anchor_len: int) -> list[set[int]]:
+    """Offsets to recompute within each module ``(offset, length)`` under ``cacheblend``
+    (simplified): ``ceil(fraction * reused tokens)`` tokens in all.
 
     CacheBlend recomputes the tokens whose KV deviates most from a full prefill,
-    found by a first-layers pass. Without that pass, this picks by where deviation is
-    largest in a module encoded alone: at its start (tokens that saw the least of
-    their own context and may act as attention sinks), then spread evenly over the
-    rest (half the budget each), ``ceil(fraction * length)`` tokens in all."""
-    budget = min(length, math.ceil(fraction * length - 1e-9))
-    if budget <= 0:
-        return []
-    head = (budget + 1) // 2
-    chosen = set(range(head))
-    rest = budget - head
-    if rest > 0:
-        step = (length - head) / rest
-        chosen.update(head + int(i * step) for i in range(rest))
-    return sorted(chosen)
+    found by a first-layers pass. Without that pass, this ranks tokens by the share
+    of their full-prefill context that their module KV did not see: a token at
+    offset ``j`` of a module placed at ``o`` (encoded after ``anchor_len`` tokens)
+    saw ``anchor_len + j`` of its ``o + j`` predecessors, so it missed
+    ``(o - anchor_len) / (o + j)``: the first tokens of the later modules first.
+    Each module's choice is a prefix of it, so the recomputed tokens form one run
+    per module."""
+    total = sum(n for _, n in modules)
+    budget = min(total, math.ceil(fraction * total - 1e-9))
+    scored = sorted(((-(o - anchor_len) / (o + j), k, j) for k, (o, n) in enumerate(modules) for j in range(n)))
+    chosen: list[set[int]] = [set() for _ in modules]
+    for _, k, j in scored[:budget]:
+        chosen[k].add(j)
+    return chosen
 
 
 @dataclass
@@ -107,12 +108,13 @@ def _merge(positions: set[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def plan_runs(segmented: SegmentedPrompt, num_cached: int, num_tokens: int) -> list[tuple[int, int]]:
+def plan_runs(segmented: SegmentedPrompt, num_cached: int, num_tokens: int, anchor_len: int = 0) -> list[tuple[int, int]]:
     """Positions to compute (after the hit ``num_cached``), as sorted runs: the plain
     segments, the recovery tokens, the last prompt token and, for a request
     re-admitted after preemption, its generated tokens (up to ``num_tokens``)."""
     rec: Recovery = segmented.recovery
     todo: set[int] = set()
+    modules: list[tuple[int, int]] = []
     offset = 0
     for seg in segmented.segments:
         n = len(seg.token_ids)
@@ -120,9 +122,12 @@ def plan_runs(segmented: SegmentedPrompt, num_cached: int, num_tokens: int) -> l
             todo.update(range(offset, offset + n))
         elif rec.mode == "epic":
             todo.update(range(offset, offset + min(rec.first_tokens, n)))
-        elif rec.mode == "cacheblend":
-            todo.update(offset + i for i in cacheblend_positions(n, rec.fraction))
+        else:
+            modules.append((offset, n))
         offset += n
+    if rec.mode == "cacheblend":
+        for (o, _), chosen in zip(modules, cacheblend_positions(modules, rec.fraction, anchor_len), strict=True):
+            todo.update(o + j for j in chosen)
     todo.update(range(offset - 1, num_tokens))
     return _merge({p for p in todo if p >= num_cached})
 

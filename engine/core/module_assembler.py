@@ -31,8 +31,9 @@ request never finds them, nor they an exact request's.
 
 Recovery (:class:`~engine.promptcache.segments.Recovery`): ``none`` recomputes only
 the uncached segments; ``epic`` also the first ``first_tokens`` tokens of every
-reused module; ``cacheblend`` (simplified, see :func:`cacheblend_positions`) the
-``fraction`` of each module's tokens whose KV is expected to deviate most.
+reused module; ``cacheblend`` (simplified, see
+:func:`~engine.core.assembly.cacheblend_positions`) the ``fraction`` of the modules'
+tokens whose KV is expected to deviate most.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class ModuleAssembler:
             k = len(use.hashes) - len(use.blocks)
             use.blocks.extend(new[:k])
             new = new[k:]
-        runs = plan_runs(segmented, num_cached, req.kv.num_tokens)
+        runs = plan_runs(segmented, num_cached, req.kv.num_tokens, len(anchor))
         computed = {p for s, e in runs for p in range(s, e)}
         reused = sum(1 for u in uses if u.encoded == len(u.tokens)
                      for p in range(max(u.offset, num_cached), u.offset + u.length) if p not in computed)

@@ -53,29 +53,39 @@ class KVShifter:
         self.storage = storage
         self.rotary = rotary
 
-    def angles(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``cos``, ``sin`` (``[head_dim]``) of a rotation by ``delta`` positions."""
+    def angles(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos``, ``sin`` (``[n, head_dim]``) of rotations by ``deltas`` positions."""
         probe = torch.zeros((1, 1, self.storage.layout.head_dim), dtype=torch.float32)
         with torch.inference_mode():
-            cos, sin = self.rotary(probe, torch.tensor([[delta]], dtype=torch.long))
-        return cos.reshape(-1).float(), sin.reshape(-1).float()
+            cos, sin = self.rotary(probe, deltas[None])
+        return cos[0].float(), sin[0].float()
 
     def apply(self, copies: Sequence[KVCopy]) -> None:
-        """Perform ``copies`` in order (a later copy may overwrite what an earlier one
-        read: the order is the scheduler's). Changes the KV storage only."""
+        """Perform ``copies``: in every layer all rows are read before any is written, so
+        a block freed by one copy's module and reused as another request's block in the
+        same step is read intact. Changes the KV storage only."""
+        if not copies:
+            return
         storage = self.storage
         h, d = storage.layout.kv_heads, storage.layout.head_dim
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        deltas: list[int] = []
+        for copy in copies:
+            n = copy.num_tokens
+            src_slots += storage.slot_ids(copy.src_block_ids, copy.src_start, copy.src_start + n)
+            dst_slots += storage.slot_ids(copy.dst_block_ids, copy.dst_start, copy.dst_start + n)
+            deltas += [copy.delta] * n
+        src, dst = torch.tensor(src_slots), torch.tensor(dst_slots)
+        rotate = any(deltas)
+        cos, sin = self.angles(torch.tensor(deltas)) if rotate else (None, None)
         with torch.inference_mode():
-            for copy in copies:
-                n = copy.num_tokens
-                src = torch.tensor(storage.slot_ids(copy.src_block_ids, copy.src_start, copy.src_start + n))
-                dst = torch.tensor(storage.slot_ids(copy.dst_block_ids, copy.dst_start, copy.dst_start + n))
-                cos, sin = self.angles(copy.delta) if copy.delta else (None, None)
-                for layer in range(storage.layout.num_layers):
-                    keys = storage.keys[layer].view(h, -1, d)
-                    values = storage.values[layer].view(h, -1, d)
-                    moved = keys.index_select(1, src)
-                    if cos is not None and sin is not None:
-                        moved = _rotate(moved, cos, sin)
-                    keys.index_copy_(1, dst, moved)
-                    values.index_copy_(1, dst, values.index_select(1, src))
+            for layer in range(storage.layout.num_layers):
+                keys = storage.keys[layer].view(h, -1, d)
+                values = storage.values[layer].view(h, -1, d)
+                moved = keys.index_select(1, src)
+                if cos is not None and sin is not None:
+                    moved = _rotate(moved, cos, sin)
+                moved_values = values.index_select(1, src)
+                keys.index_copy_(1, dst, moved)
+                values.index_copy_(1, dst, moved_values)
