@@ -9,7 +9,8 @@ anchor), one module per document, the question with the template's tail.
 
 Per prompt, on one run, interleaved:
 
-* full prefill (cold): the prompt on an engine with prefix caching off;
+* full prefill (cold): the prompt under a cache salt of its own (nothing to hit:
+  every token computed), on the same engine and thread as the others;
 * exact-prefix caching: the same prompt as a plain request on the caching engine
   (which has seen earlier prompts: it hits whatever prefix they share);
 * per recovery mode (none, epic, cacheblend): the prompt as a SegmentedPrompt on
@@ -23,7 +24,7 @@ KL divergence KL(full || mode) of the first output distribution (full vocabulary
 float32). Prints a table, writes benchmarks/results/prompt_modules.json.
 
 Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/prompt_modules.py [--prompts 100] [--docs 4]
-       [--pool 8] [--modes none epic cacheblend] [--no-anchor]
+       [--pool 8] [--modes none epic cacheblend] [--anchor]
 Issue targets: --docs 4 (~1k tokens): TTFT >= 10x faster than full prefill; --docs 16
 --pool 16 (~4k tokens): >= 20x; the default recovery's first token equal in >= 95% of 100 prompts.
 """
@@ -122,10 +123,10 @@ class Probe:
 
 
 def generate(engine: LLMEngine, probe: Probe, rid: str, sp: SegmentedPrompt, segmented: bool,
-             max_tokens: int) -> dict[str, Any]:
+             max_tokens: int, salt: str | None = None) -> dict[str, Any]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     probe.ttft = probe.logits = None
-    req = GenerationRequest(rid, sp.token_ids, params, segmented=sp if segmented else None)
+    req = GenerationRequest(rid, sp.token_ids, params, cache_salt=salt, segmented=sp if segmented else None)
     outs = engine.submit(req).result(timeout=900)
     assert outs[-1].error is None and probe.ttft is not None, outs[-1]
     return {"ttft": probe.ttft, "tokens": [t for o in outs for t in o.new_token_ids],
@@ -152,18 +153,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="recovery modes, optionally with their parameter: epic:32, cacheblend:0.3")
     parser.add_argument("--first-tokens", type=int, default=16, help="epic: tokens recomputed per module")
     parser.add_argument("--fraction", type=float, default=0.15, help="cacheblend: fraction recomputed")
-    parser.add_argument("--no-anchor", action="store_true", help="encode modules at position 0, alone")
+    parser.add_argument("--anchor", action="store_true",
+                        help="encode modules after the prompt's head (default: at position 0, alone)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    if args.no_anchor:
-        assembly.ANCHOR_MAX_TOKENS = 0
+    if args.anchor:
+        assembly.ANCHOR_MAX_TOKENS = 64
 
     config = EngineConfig(kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0)
-    cached = LLMEngine.from_config(config)
-    plain = LLMEngine(cached.model, cached.tokenizer, EngineConfig(
-        kv_cache_memory_gib=0.5, enable_prefix_caching=False, served_model_name="plain", seed=0))
-    probes = {"cached": Probe(cached), "plain": Probe(plain)}
+    cached = LLMEngine.launch(config)  # one thread loads and runs (docs/engine.md: one OpenMP pool)
+    probe = Probe(cached)
     tok = cached.tokenizer
     docs = documents(tok, args.pool)
     rng = random.Random(0)
@@ -172,27 +172,25 @@ def main(argv: list[str] | None = None) -> int:
         mode, _, param = spec.partition(":")
         recoveries[spec] = Recovery(mode=mode, first_tokens=int(param) if param and mode == "epic" else args.first_tokens,
                                     fraction=float(param) if param and mode == "cacheblend" else args.fraction)
-    cached.start()
-    plain.start()
     rows: list[dict[str, Any]] = []
     try:
         # Encode every module once (a prompt with all documents, each mode's request would
         # reuse them): what a deployment holds after the first requests.
         warm = build(tok, docs, list(range(args.pool)), "Warm-up.", recoveries[args.modes[0]])
-        generate(cached, probes["cached"], "warm", warm, True, 1)
-        generate(plain, probes["plain"], "warm-plain", warm, False, 1)
+        generate(cached, probe, "warm", warm, True, 1)
+        generate(cached, probe, "warm-full", warm, False, 1, salt="warm-full")
         for i in range(args.prompts):
             order = rng.sample(range(args.pool), args.docs)
             question = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
             sp = build(tok, docs, order, question, recoveries[args.modes[0]])
-            full = generate(plain, probes["plain"], f"full-{i}", sp, False, OUTPUT_TOKENS)
-            exact = generate(cached, probes["cached"], f"exact-{i}", sp, False, 1)
+            full = generate(cached, probe, f"full-{i}", sp, False, OUTPUT_TOKENS, salt=f"full-{i}")
+            exact = generate(cached, probe, f"exact-{i}", sp, False, 1)
             row: dict[str, Any] = {"prompt_tokens": len(sp.token_ids), "order": order,
                                    "full_ms": full["ttft"] * 1e3, "exact_ms": exact["ttft"] * 1e3,
                                    "exact_cached": exact["cached"], "modes": {}}
             for mode, rec in recoveries.items():
                 spm = SegmentedPrompt(sp.segments, rec)
-                got = generate(cached, probes["cached"], f"{mode}-{i}", spm, True, OUTPUT_TOKENS)
+                got = generate(cached, probe, f"{mode}-{i}", spm, True, OUTPUT_TOKENS)
                 row["modes"][mode] = {
                     "ms": got["ttft"] * 1e3, "cached": got["cached"],
                     "first_equal": got["tokens"][0] == full["tokens"][0],
@@ -208,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         stats = cached.stats()
     finally:
         cached.shutdown()
-        plain.shutdown()
 
     med = lambda xs: statistics.median(xs)  # noqa: E731
     full_ms = med([r["full_ms"] for r in rows])
@@ -228,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     tokens = med([r["prompt_tokens"] for r in rows])
     print(f"\nprompt modules: {len(rows)} prompts of {args.docs} documents (~{tokens:.0f} tokens), "
-          f"anchor={'off' if args.no_anchor else 'on'}, threads={torch.get_num_threads()}")
+          f"anchor={'on' if args.anchor else 'off'}, threads={torch.get_num_threads()}")
     print(f"full prefill (cold) TTFT {full_ms:.1f} ms; exact-prefix caching {exact_ms:.1f} ms "
           f"(median cached {med([r['exact_cached'] for r in rows]):.0f} tokens)")
     print(f"{'recovery':>14} {'TTFT ms':>8} {'vs full':>8} {'vs exact':>9} {'cached':>7} {'1st tok':>8} "
@@ -240,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "prompt_modules", "prompts": len(rows), "docs_per_prompt": args.docs, "pool": args.pool,
-        "anchor": not args.no_anchor, "first_tokens": args.first_tokens, "fraction": args.fraction,
+        "anchor": args.anchor, "first_tokens": args.first_tokens, "fraction": args.fraction,
         "prompt_tokens_median": tokens, "full_ms": full_ms, "exact_ms": exact_ms, "summary": summary,
         "module_blocks": stats.module_blocks, "module_tokens_reused": stats.module_tokens_reused,
         "threads": torch.get_num_threads(),

@@ -5,10 +5,10 @@ its KV assembled instead of computed in full:
 
 1. **Module KV** lives in the block pool, in blocks named by a module chain
    (:mod:`engine.kvcache.module_hash`: salt, model, module name, then the tokens).
-   A module is encoded once, on its own, *after an anchor*: the prompt's first
-   segment when that is not a module and at most :data:`ANCHOR_MAX_TOKENS` tokens
-   (in a chat prompt, the system turn and the user turn's header), else nothing
-   (position 0). The module's blocks hold ``anchor + module`` from position 0; a
+   A module is encoded once, on its own, at position 0 (optionally after an anchor,
+   the prompt's first segment, when :data:`~engine.core.assembly.ANCHOR_MAX_TOKENS`
+   allows: off by default, measured there). The module's blocks hold ``anchor +
+   module`` from position 0; a
    missing module (or the missing tail of one) is encoded as extra sequences of the
    request's own prefill, chunked under the step's token budget. Its blocks are
    cached under their hashes only once that forward is done, so nobody reads a

@@ -56,8 +56,8 @@ def logits(real_engine):
 
 def test_module_at_its_encode_position_is_exact_prefill(real_engine, texts, logits):
     none = Recovery("none")
-    generate(real_engine, prompt(texts, [0], "Warm up.", none), True, logits, 1)  # encodes lic0 after the head
-    sp = prompt(texts, [0], "What does it say?", none)
+    generate(real_engine, prompt(texts, [1, 0], "Warm up.", none), True, logits, 1)  # encodes lic0 at position 0
+    sp = prompt(texts, [0], "What does it say?", none, head=False)
     seg_tokens, seg_logits, cached = generate(real_engine, sp, True, logits)
     assert cached == len(texts["docs"][0])  # the module was reused, not computed
     exact_tokens, exact_logits, _ = generate(real_engine, sp, False, logits)

@@ -19,7 +19,7 @@ def doc(i: int, n: int = 40) -> tuple[int, ...]:
     return tuple(200 + ((j * 13 + i * 101) % 4000) for j in range(n))
 
 
-HEAD = tuple(range(50, 62))  # the "system" segment: 12 tokens, the modules' anchor
+HEAD = tuple(range(50, 62))  # the "system" segment: 12 tokens
 QUESTION = (900, 901, 902, 903, 904)
 
 
@@ -52,8 +52,8 @@ def test_segmented_tokens_must_equal_the_prompt():
 def test_modules_are_encoded_once_and_reused_in_another_order(tiny_engine):
     _, first = run(tiny_engine, segmented([0, 1, 2]))
     stats = tiny_engine.stats()
-    assert stats.module_tokens_encoded == 3 * (len(HEAD) + 40)
-    assert stats.module_blocks == 3 * -(-(len(HEAD) + 40) // 16)
+    assert stats.module_tokens_encoded == 3 * 40  # each module alone, at position 0
+    assert stats.module_blocks == 3 * -(-40 // 16)
     assert first.num_cached_tokens == 0  # nothing reused yet: every module was encoded here
     _, again = run(tiny_engine, segmented([2, 0, 1]))
     stats2 = tiny_engine.stats()
@@ -75,12 +75,12 @@ def test_all_plain_segments_compute_exactly(make_tiny_engine):
 
 
 def test_module_at_its_encode_position_gives_exact_prefill(make_tiny_engine):
-    # One module right after the anchor: its K/V are copied with delta 0, bit for bit.
+    # A module first in the prompt: its K/V are copied with delta 0, bit for bit.
     engine = make_tiny_engine()
     logits: dict[str, torch.Tensor] = {}
     engine.first_logits_observer = lambda rid, row: logits.__setitem__(rid, row.clone())
-    sp = segmented([3])
-    run(engine, segmented([3], question=(7, 8, 9)), rid="warm")  # encodes doc3 after HEAD
+    sp = segmented([3], head=())
+    run(engine, segmented([1, 3], question=(7, 8, 9)), rid="warm")  # encodes doc3 at position 0
     out_seg, seg = run(engine, sp, rid="seg")
     assert seg.num_cached_tokens == 40
     out_exact, _ = run(engine, None, sp.token_ids, rid="exact")
@@ -106,7 +106,7 @@ def test_another_salt_never_hits_a_module(tiny_engine):
     _, other = run(tiny_engine, segmented([7, 6]), salt="tenant-b")
     after = tiny_engine.stats()
     assert other.num_cached_tokens == 0
-    assert after.module_tokens_encoded - before.module_tokens_encoded == 2 * (len(HEAD) + 40)
+    assert after.module_tokens_encoded - before.module_tokens_encoded == 2 * 40
     _, same = run(tiny_engine, segmented([7, 6]), salt="tenant-a")
     assert same.num_cached_tokens == 80
 
@@ -120,10 +120,10 @@ def test_same_name_other_tokens_is_another_module(tiny_engine):
 def test_module_blocks_are_evicted_under_pressure(make_tiny_engine):
     engine = make_tiny_engine(kv_cache_memory_gib=24 * 16 * 512 / 1024**3)
     assert engine.kv_cache_manager.num_blocks == 24
-    for i in range(10):  # 10 modules of 4 blocks each cannot all stay
+    for i in range(10):  # 10 modules of 3 blocks each cannot all stay
         run(engine, segmented([20 + i]))
     stats = engine.stats()
-    assert stats.evictions > 0 and stats.module_blocks < 10 * 4
+    assert stats.evictions > 0 and stats.module_blocks < 10 * 3
     _, last = run(engine, segmented([29], question=(7, 8, 9)))
     assert last.num_cached_tokens == 40  # the most recent module survived (LRU)
 
@@ -173,3 +173,22 @@ def test_small_budget_chunks_encodes_and_runs_to_the_same_tokens(make_tiny_engin
     for mode in ("none", "epic", "cacheblend"):
         sp = segmented([50, 51, 52], mode=mode)
         assert run(big, sp)[0] == run(small, sp)[0], mode
+
+
+def test_modules_encoded_after_an_anchor_are_another_module(make_tiny_engine, monkeypatch):
+    from engine.core import assembly
+
+    engine = make_tiny_engine()
+    run(engine, segmented([60, 61]))
+    monkeypatch.setattr(assembly, "ANCHOR_MAX_TOKENS", 64)
+    before = engine.stats().module_tokens_encoded
+    logits: dict[str, torch.Tensor] = {}
+    engine.first_logits_observer = lambda rid, row: logits.__setitem__(rid, row.clone())
+    _, first = run(engine, segmented([61, 60]))
+    assert first.num_cached_tokens == 0  # other roots: encoded again, after HEAD
+    assert engine.stats().module_tokens_encoded - before == 2 * (len(HEAD) + 40)
+    sp = segmented([60], question=(7, 8))  # at its encode position (right after HEAD): exact
+    out_seg, seg = run(engine, sp, rid="anchored")
+    assert seg.num_cached_tokens == 40
+    out_exact, _ = run(engine, None, sp.token_ids, rid="anchored-exact")
+    assert out_seg == out_exact and torch.equal(logits["anchored"], logits["anchored-exact"])
