@@ -43,6 +43,13 @@ tenant the producer's chunk takes the tenant's whole share until its last chunk.
 The newcomer waits at most as many steps as the producer has chunks left (tested
 in ``tests/engine/core/test_engine_batching.py``).
 
+Segmented requests (prompt modules, :mod:`engine.core.module_assembler`): admitted
+with blocks for all their tokens plus their missing module blocks; their module
+encodes (``SchedulerOutput.encodes``), copies (``SchedulerOutput.copies``, applied
+before the forward) and runs (several ``ScheduledSequence`` of one request in one
+step, in position order) take their tenant's prefill share like any prefill; a
+preempted or aborted one uncaches its blocks past its frontier first.
+
 Invariants:
 
 * admission is by reservation: the running requests' reservations
@@ -52,7 +59,8 @@ Invariants:
 * a request is in exactly one of ``waiting`` and ``running`` until it finishes;
   a step schedules a request at most once;
 * between steps a running request holds slots for exactly its
-  ``num_computed_tokens`` (a waiting one holds no block);
+  ``num_computed_tokens`` (a waiting one holds no block), except a segmented
+  request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests).
 """
 
