@@ -98,12 +98,17 @@ class ModuleAssembler:
             use.encoded = min(len(use.blocks) * self.block_size, len(use.tokens))
             module_hits.extend(use.blocks)
             num_new += len(use.hashes) - len(use.blocks)
-        new = self.kvm.hold_module_blocks(req.request_id, module_hits, num_new)
-        if new is None:
+        # Take every hit (the request's and the modules') before popping any new block,
+        # so no pop evicts a hit still in the free queue.
+        bs = self.block_size
+        num_request_new = -(-req.kv.num_tokens // bs) - len(hits)
+        evictable = sum(1 for b in [*hits, *module_hits] if b.ref_cnt == 0)
+        if num_request_new + num_new > self.kvm.num_free_blocks - evictable:
             return False
-        if self.kvm.allocate_slots(req.kv, req.kv.num_tokens - num_cached, num_cached, hits) is None:
-            self.kvm.release_module_blocks(req.request_id)
-            return False
+        self.kvm.hold_module_blocks(req.request_id, module_hits, 0)
+        allocated = self.kvm.allocate_slots(req.kv, req.kv.num_tokens - num_cached, num_cached, hits)
+        new = self.kvm.hold_module_blocks(req.request_id, [], num_new)
+        assert allocated is not None and new is not None, "checked above"
         for use in uses:
             k = len(use.hashes) - len(use.blocks)
             use.blocks.extend(new[:k])

@@ -192,3 +192,30 @@ def test_modules_encoded_after_an_anchor_are_another_module(make_tiny_engine, mo
     assert seg.num_cached_tokens == 40
     out_exact, _ = run(engine, None, sp.token_ids, rid="anchored-exact")
     assert out_seg == out_exact and torch.equal(logits["anchored"], logits["anchored-exact"])
+
+
+def test_concurrent_segmented_and_exact_requests_under_block_pressure(make_tiny_engine):
+    # A small pool, several requests at once: hits, module blocks and new blocks compete;
+    # every output must equal the same request's output alone on a roomy engine.
+    import random
+
+    rng = random.Random(7)
+    mixes = []
+    for i in range(12):
+        order = rng.sample(range(70, 76), 3)
+        mode = rng.choice(["none", "epic", "cacheblend"])
+        mixes.append((segmented(order, mode=mode, question=(7, 8, 9 + i % 3)), rng.random() < 0.25))
+    roomy = make_tiny_engine()
+    expected = [run(roomy, None if exact else sp, sp.token_ids)[0] for sp, exact in mixes]
+    tight = make_tiny_engine(kv_cache_memory_gib=40 * 16 * 512 / 1024**3)
+
+    async def wave(batch):
+        streams = [submit(tight, None if exact else sp, sp.token_ids) for sp, exact in batch]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    got = []
+    for start in range(0, len(mixes), 4):
+        got += asyncio.run(wave(mixes[start:start + 4]))
+        tight.call(tight.kv_cache_manager.check_integrity)
+    assert [[t for o in outs for t in o.new_token_ids] for outs in got] == expected
+    assert tight.stats().evictions > 0
