@@ -139,6 +139,10 @@ def add_parser(subparsers: Any) -> None:
                         help="publish KV-cache events like vLLM, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", "
                         "\"replay_endpoint\": \"tcp://127.0.0.1:5558\"}' (see docs/routing.md)")
+    parser.add_argument("--segment-reuse", action="store_true",
+                        help="treat each chat message and text part of at least one block as a "
+                        "position-independent segment unless a request says \"segment_reuse\": false "
+                        "(default: off; see docs/prompt_modules.md)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every route but /health, like "
                         "vLLM's --api-key (default: $PREFIXGATE_ENGINE_API_KEY; prefer it: a command "
@@ -206,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             engine.offload.announce_existing()  # the router learns what this replica holds on disk
     try:
         run_server(engine, host=args.host, port=args.port, api_key=api_key,
-                   media=media, log_level=args.log_level)
+                   media=media, log_level=args.log_level, segment_reuse=args.segment_reuse)
     finally:
         engine.shutdown()
         if publisher is not None:

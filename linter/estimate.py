@@ -12,6 +12,9 @@ the fix did not change but that now reuse a fixed predecessor): the runner
 gives those numbers to the rule's findings as ``tokens_lost``, so a rule's
 findings and its row of the table are one measurement. A fix that changes no
 request says so (``applies`` False) instead of showing a gain of zero.
+
+``segment_reuse_tokens``: what the engine's opt-in segment reuse would add to the
+hits now, for documents that move between requests (:mod:`linter.segment_reuse`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from linter.divergence import common_prefix_len
 from linter.render import Rendered, render
 from linter.replay import DEFAULT_BLOCK_SIZE, PrefixCacheReplay
 from linter.rule import Body, Fix
+from linter.segment_reuse import segment_reuse_tokens
 from linter.tokenizer import ApproxTokenizer, Tokenizer
 
 
@@ -55,6 +59,11 @@ class Estimate:
     tokenizer: str
     block_size: int
     capacity_blocks: int | None
+    segment_reuse_tokens: int = 0  # more cached with segment reuse, on top of now (linter.segment_reuse)
+
+    @property
+    def hit_rate_with_segment_reuse(self) -> float:
+        return (self.cached_tokens + self.segment_reuse_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 Prompt = tuple[int, list[bytes]]
@@ -189,4 +198,5 @@ def estimate(
         tokenizer=getattr(tokenizer, "name", type(tokenizer).__name__),
         block_size=block_size,
         capacity_blocks=capacity_blocks,
+        segment_reuse_tokens=segment_reuse_tokens(bodies, hits_now, tokenizer, block_size),
     )

@@ -116,6 +116,7 @@ class ChatPrompt:
     mm_items: tuple[MultiModalItem, ...] = ()
     images: tuple[ImageData, ...] = ()
     mm_inputs: tuple[Any, ...] = ()
+    text: str | None = None  # the rendered text the ids were tokenized from (text-only prompts)
 
 
 class ChatRenderer:
@@ -147,6 +148,13 @@ class ChatRenderer:
         self.template_has_developer = "developer" in source
         self._lock = threading.Lock()
         self.max_token_chars = max_token_chars(tokenizer)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held around every use of the tokenizer here; other users of the same tokenizer
+        (the PML compiler) hold it too, as ``transformers`` tokenizers are not safe to
+        reconfigure while another thread encodes."""
+        return self._lock
 
     def render(self, messages: Sequence[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
@@ -181,7 +189,7 @@ class ChatRenderer:
             # (seconds for large ones) without holding up text-only requests on this lock.
             return self._process(text, images) if images else self._text_only(token_ids)
         if not images:
-            return ChatPrompt(token_ids)
+            return ChatPrompt(token_ids, text=text)
         return self._expand_images(token_ids, images)
 
     def encode(self, text: str) -> list[int]:

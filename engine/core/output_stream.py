@@ -32,8 +32,9 @@ class GenerationRequest:
     share prefill fairly between tenants (:mod:`engine.core.scheduler`; the cache
     salt when None); isolation is the salt's business, not this. ``segmented``: the
     prompt cut into segments whose KV may be assembled from prompt modules
-    (:mod:`engine.core.module_assembler`); its tokens must be ``prompt_token_ids``
-    (ValueError otherwise). None: computed exactly, as always."""
+    (:mod:`engine.promptcache.segments`, :mod:`engine.core.module_assembler`); its
+    tokens must be ``prompt_token_ids`` (ValueError otherwise). None: computed
+    exactly, as always."""
 
     request_id: str
     prompt_token_ids: list[int]

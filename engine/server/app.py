@@ -3,6 +3,8 @@
 Routes (vLLM's OpenAI server surface, so the gateway can front either):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (stateless, :mod:`engine.server.responses`), ``GET /v1/models``,
+``POST``/``GET /v1/prompt_schemas``, ``DELETE /v1/prompt_schemas/{name}`` (PML,
+:mod:`engine.server.prompt_modules`),
 ``GET /health``, ``GET /metrics``; the handlers live in
 :class:`~engine.server.request_handler.RequestHandler`.
 
@@ -66,16 +68,19 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def create_app(engine: LLMEngine, *, media: MediaPolicy | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-               body_limits: BodyLimits | None = None) -> Starlette:
+               body_limits: BodyLimits | None = None, segment_reuse: bool = False) -> Starlette:
     """An ASGI app serving ``engine`` (already started; the caller owns its lifetime).
 
     With ``api_key`` every route but ``/health`` needs it as a bearer token
     (:class:`~engine.contract.api_key.ApiKeyGuard`). ``media`` says which remote image
     URLs are fetched (default: none, only inline data: URLs). ``body_limits`` bounds
     request bodies (:mod:`engine.contract.body_reader`); ``max_body_bytes`` is the
-    shorthand for its size limit when it is not given."""
+    shorthand for its size limit when it is not given. ``segment_reuse``: the default of
+    chat requests' ``segment_reuse`` (:mod:`engine.server.prompt_modules`)."""
     limits = body_limits or BodyLimits(max_bytes=max_body_bytes)
-    handler = RequestHandler(engine, media=media or MediaPolicy(), bodies=BodyReader(limits))
+    handler = RequestHandler(engine, media=media or MediaPolicy(), bodies=BodyReader(limits),
+                             segment_reuse=segment_reuse)
+    modules = handler.prompt_modules
     routes = [
         Route("/health", handler.health, methods=["GET"]),
         Route("/v1/models", handler.models, methods=["GET"]),
@@ -83,6 +88,9 @@ def create_app(engine: LLMEngine, *, media: MediaPolicy | None = None,
         Route("/v1/chat/completions", handler.chat_completions, methods=["POST"]),
         Route("/v1/completions", handler.completions, methods=["POST"]),
         Route("/v1/responses", handler.responses, methods=["POST"]),
+        Route("/v1/prompt_schemas", modules.create_schema, methods=["POST"]),
+        Route("/v1/prompt_schemas", modules.list_schemas, methods=["GET"]),
+        Route("/v1/prompt_schemas/{name}", modules.delete_schema, methods=["DELETE"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected,
@@ -116,9 +124,9 @@ class _GracefulServer(uvicorn.Server):
 
 def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8001,
                media: MediaPolicy | None = None, log_level: str = "info",
-               api_key: str | None = None) -> None:
+               api_key: str | None = None, segment_reuse: bool = False) -> None:
     """Serve until SIGINT/SIGTERM, then return; the caller shuts the engine down."""
-    app = create_app(engine, media=media, api_key=api_key)
+    app = create_app(engine, media=media, api_key=api_key, segment_reuse=segment_reuse)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     _GracefulServer(config).run()

@@ -57,6 +57,7 @@ from engine.core.output_stream import TokenLogprobs
 from engine.server.event_stream import EventStreamResponse
 from engine.server.fanout import ChoiceFanout
 from engine.server.metrics import EngineMetrics
+from engine.server.prompt_modules import PromptModules
 from engine.server.protocol import GenerationBody, parse_chat_body, parse_completion_body
 from engine.server.response_builder import Choice, ResponseBuilder, Usage
 from engine.server.responses import ResponsesBuilder
@@ -114,7 +115,8 @@ def _usage(tallies: list[_Tally]) -> Usage:
 class RequestHandler:
     """The request handlers of one app, bound to one engine (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, bodies: BodyReader) -> None:
+    def __init__(self, engine: LLMEngine, *, media: MediaPolicy, bodies: BodyReader,
+                 segment_reuse: bool = False) -> None:
         self.engine = engine
         self.media = media
         self.bodies = bodies
@@ -130,6 +132,8 @@ class RequestHandler:
         # Token ids a client may send: the model's vocabulary (may exceed the tokenizer's).
         self.vocab_size = int(getattr(engine, "vocab_size", None) or len(engine.tokenizer))
         self.metrics = EngineMetrics(engine, engine.model_id)
+        self.prompt_modules = PromptModules(engine.tokenizer, engine.max_model_len, bodies,
+                                            segment_reuse=segment_reuse, tokenizer_lock=self.renderer.lock)
         self.created = int(time.time())
         self._compiler: Any = None  # GrammarCompiler, built on first use (about a second)
         self._compiler_lock = threading.Lock()
@@ -227,9 +231,15 @@ class RequestHandler:
         self._refuse_by_image_count(body)
         mm_items: tuple[Any, ...] = ()
         mm_inputs: tuple[Any, ...] = ()
+        segmented = None  # the prompt's reusable segments (PML, segment_reuse)
+        assert isinstance(raw, dict)  # parse_*_body checked it
         if body.messages is not None:
             rendered = self.renderer.render(body.messages, body.tools)
             token_ids, mm_items, mm_inputs = rendered.token_ids, rendered.mm_items, rendered.mm_inputs
+            if kind == "chat" and not mm_items:
+                segmented = self.prompt_modules.chat_prompt(raw, body.messages, rendered.text, token_ids)
+        elif (segmented := self.prompt_modules.completion_prompt(raw, body.prompt, body.cache_salt)) is not None:
+            token_ids = segmented.token_ids
         elif isinstance(body.prompt, str):
             token_ids = self.renderer.encode(body.prompt)
         else:
@@ -260,6 +270,7 @@ class RequestHandler:
                 request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
                 prompt_token_ids=token_ids, params=choice_params,
                 cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs, tenant=tenant,
+                segmented=segmented,
             ))
         responses = None
         if kind == "responses":

@@ -30,6 +30,7 @@ from gateway.errors import GatewayError, NotFound, Unauthorized, error_response
 from gateway.policy.authenticator import Authenticator, bearer_token
 from gateway.policy.prefix_warner import History, PrefixWarner
 from gateway.proxy.handler import PATHS, Proxy
+from gateway.proxy.schema_routes import PromptSchemaRoutes
 from gateway.responses.routes import ResponsesRoutes
 from gateway.responses.store import ResponseStore
 from gateway.responses.turn import ResponseTurns
@@ -137,6 +138,8 @@ def create_app(
     """The app; ``history`` is the shared conversation history when several workers serve it."""
     state = GatewayState(settings, client, history)
     stored = ResponsesRoutes(state.responses, state.authenticator)
+    schemas = PromptSchemaRoutes(state.replicas, state.authenticator, settings.secret,
+                                 state.proxy.bodies)
 
     def inference(endpoint: str) -> Any:
         async def handle(request: Request) -> Response:
@@ -206,6 +209,9 @@ def create_app(
             Route("/v1/responses/{response_id}", stored.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", stored.delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/input_items", stored.input_items, methods=["GET"]),
+            Route("/v1/prompt_schemas", schemas.create, methods=["POST"]),
+            Route("/v1/prompt_schemas", schemas.list_schemas, methods=["GET"]),
+            Route("/v1/prompt_schemas/{name}", schemas.delete, methods=["DELETE"]),
             dashboard_route(state),
         ],
         middleware=[Middleware(InferenceRoutes, state=state)],

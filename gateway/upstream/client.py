@@ -186,6 +186,22 @@ class Upstream:
         response = await self._get(path, None)
         return parse_json_object(response.content)
 
+    async def call(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                   content: bytes | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """Any method with optional query and JSON body (the prompt schema routes); the
+        parsed 2xx JSON object, or a gateway error (an upstream 4xx relayed as it came)."""
+        headers = {**self.auth, **(JSON_HEADERS if content is not None else {})}
+        if tenant is not None and self.kind == "vllm":
+            headers[TENANT_HEADER_BYTES.decode()] = tenant
+        try:
+            response = await self.client.request(method, self.base_url + path, params=params, content=content,
+                                                 headers=headers)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        if response.status_code >= 300:
+            raise error_for_status(response.status_code, response.content)
+        return parse_json_object(response.content)
+
     async def check_health(self, timeout: float = 5.0) -> None:
         """Return if the upstream's ``/health`` answers 2xx; raise a gateway error otherwise."""
         await self._get(self.health_path, timeout)

@@ -25,6 +25,8 @@ def summary(report: LintReport) -> dict[str, Any]:
         "hit_rate": round(est.hit_rate, 6) if est else None,
         "cached_tokens_after_fixes": est.cached_tokens_after_fixes if est else 0,
         "hit_rate_after_fixes": round(est.hit_rate_after_fixes, 6) if est else None,
+        "segment_reuse_tokens": est.segment_reuse_tokens if est else 0,
+        "hit_rate_with_segment_reuse": round(est.hit_rate_with_segment_reuse, 6) if est else None,
         "per_rule": _per_rule(report),
         "tokenizer": est.tokenizer if est else None,
         "block_size": est.block_size if est else None,

@@ -71,6 +71,10 @@ def _table(report: LintReport) -> list[str]:
         lines.append(f"  {'all fixes':<22} {_pct(est.hit_rate_after_fixes):>8} {est.cached_tokens_after_fixes:>14} {total_gain:>+10}")
     elif per_rule_losses(report):
         lines.append(f"  {'all fixes':<22} no automatic fix applies to these findings")
+    if est.segment_reuse_tokens:
+        lines.append(f"  {'segment reuse':<22} {_pct(est.hit_rate_with_segment_reuse):>8} "
+                     f"{est.cached_tokens + est.segment_reuse_tokens:>14} {est.segment_reuse_tokens:>+10}"
+                     "  (documents that move between requests; engine opt-in, see docs/prompt_modules.md)")
     return lines
 
 

@@ -301,3 +301,75 @@ def test_a_grammar_failing_mid_generation_ends_as_a_client_error_on_both_servers
     assert endings == {"engine": "data: [DONE]", "gateway": "data: [DONE]"}
     kv = tiny_engine.kv_cache_manager
     wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 30, "every block back in the free queue")
+
+
+PML_SCHEMA = ('<schema name="fz"><system>Use the notes.</system><module name="a">Note A: the gate opens at '
+              'nine.</module><union><module name="b">Note B.</module><module name="c">Note C.</module></union>'
+              '<module name="d">Dear <param name="who" len="4"/>, <module name="e">inner</module> end.</module>'
+              '</schema>')
+PML_PROMPT = '<prompt schema="fz"><a/><b/><d who="Ann"><e/></d><user>When?</user><assistant/></prompt>'
+PML_PIECES = ["<", ">", "/>", "</module>", "<module name='x'>", "<param name='p' len='99999999999'/>", "&",
+              "&lol;", "&#0;", "&#x110000;", "<!DOCTYPE x [<!ENTITY a 'b'>]>", "<![CDATA[", "]]>", "<!--", "\"",
+              "<union>", "<user>", "<a/>", "<d who='" + "w " * 50 + "'/>", "<zz/>", "\x00", "\ud7ff", "\u2028",
+              "<" * 3, "<module name='a'>" * 40]
+
+
+def _mutate(rng: random.Random, text: str) -> str:
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(text) + 1)
+        if rng.random() < 0.5:
+            text = text[:at] + rng.choice(PML_PIECES) + text[at:]
+        else:
+            text = text[:at] + text[at + rng.randint(1, 20):]
+    return text
+
+
+def pml_cases(seed: int, count: int, model: str) -> list[tuple[str, str, object]]:
+    """(method, path, JSON body or query) for the PML routes; case i depends on (seed, i)."""
+    out: list[tuple[str, str, object]] = []
+    for index in range(count):
+        rng = random.Random(f"pml:{seed}:{index}")
+        kind = rng.choice(["schema", "schema", "prompt", "prompt", "list", "delete", "field"])
+        if kind == "schema":
+            out.append(("POST", "/v1/prompt_schemas", {"pml": _mutate(rng, PML_SCHEMA)}))
+        elif kind == "prompt":
+            out.append(("POST", "/v1/completions", {"model": model, "prompt_format": "pml", "max_tokens": 2,
+                                                    "prompt": _mutate(rng, PML_PROMPT),
+                                                    "stream": rng.random() < 0.3}))
+        elif kind == "list":
+            out.append(("GET", "/v1/prompt_schemas", {"cache_salt": rng.choice(["", "x" * 300, "ok", "\u0000"])}))
+        elif kind == "delete":
+            out.append(("DELETE", "/v1/prompt_schemas/" + rng.choice(["fz", "nope", "%00", "a" * 500]), {}))
+        else:
+            out.append(("POST", rng.choice(["/v1/completions", "/v1/prompt_schemas"]), {
+                "model": model, "prompt": PML_PROMPT, "pml": rng.choice([PML_SCHEMA, None, 3, [], {"a": 1}]),
+                "prompt_format": rng.choice(["pml", "PML", None, 1, ["pml"]]),
+                "recovery": rng.choice([None, {}, {"mode": "epic", "first_tokens": 2**70}, {"fraction": "x"},
+                                        {"mode": None}, 5]),
+                "cache_salt": rng.choice([None, "", 7, "t" * 2000])}))
+    return out
+
+
+def test_pml_routes_get_no_5xx_from_either_server(servers, tiny_engine):
+    engine_url, gateway_url, _db_url = servers
+    all_cases = pml_cases(SEED, 150, tiny_engine.model_id)
+    statuses: Counter[tuple[str, int]] = Counter()
+    failures = []
+    for name, url in (("engine", engine_url), ("gateway", gateway_url)):
+        with httpx.Client(base_url=url, timeout=120, headers={"authorization": f"Bearer {KEY}"}) as client:
+            assert client.post("/v1/prompt_schemas", json={"pml": PML_SCHEMA}).status_code == 200
+            for method, path, payload in all_cases:
+                if method == "POST":
+                    response = client.post(path, json=payload)
+                else:
+                    response = client.request(method, path, params=payload)  # type: ignore[arg-type]
+                statuses[(name, response.status_code)] += 1
+                problem = check_answer(response.status_code, response.content)
+                if problem is not None:
+                    failures.append(f"{name} {method} {path}: {problem}\n  body: {json.dumps(payload)[:300]}")
+    print(f"pml fuzz seed {SEED}", sorted(statuses.items()))
+    assert not failures, "\n".join(failures[:10])
+    assert statuses[("engine", 400)] >= 20 and statuses[("engine", 200)] >= 5
+    kv = tiny_engine.kv_cache_manager
+    wait_until(lambda: kv.num_free_blocks == kv.num_blocks, 30, "every block back in the free queue")
+    kv.check_integrity()

@@ -146,3 +146,8 @@ def test_allowed_media_domains_take_host_names_only(host, caplog):
     args = build_parser().parse_args(["engine", "--allowed-media-domains", host])
     assert args.func(args) == 2
     assert "allowed-media-domains" in caplog.text
+
+
+def test_segment_reuse_is_off_unless_asked_for():
+    assert build_parser().parse_args(["engine"]).segment_reuse is False
+    assert build_parser().parse_args(["engine", "--segment-reuse"]).segment_reuse is True

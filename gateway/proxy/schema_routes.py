@@ -1,0 +1,99 @@
+"""PromptSchemaRoutes: the PML schema routes, forwarded under the tenant's server-side salt.
+
+``POST /v1/prompt_schemas``, ``GET /v1/prompt_schemas`` and
+``DELETE /v1/prompt_schemas/{name}`` (see :mod:`engine.server.prompt_modules`).
+The engine keeps schemas per cache salt; the gateway authenticates the tenant,
+takes out whatever ``cache_salt`` the client sent and sends the salt it derives
+for the tenant's scope (:func:`gateway.policy.salt.derive_cache_salt`, the same one
+its completions carry, so a ``<prompt schema=...>`` finds the tenant's schemas).
+A client salt only narrows the tenant's own namespace, exactly as for completions:
+another tenant can neither use, list, delete nor time a schema, whatever it sends.
+
+A schema is registered on, and deleted from, every replica (a prompt may be routed
+to any); the first refusal is relayed. Listing asks the first replica. Only an
+upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
+routes; other kinds answer 404 ``not_supported``. Not inference: no stats row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.contract.body_reader import BodyReader
+from engine.contract.limits import cache_salt_problem
+from gateway.config.config_file import Tenant
+from gateway.errors import InvalidRequest, NotFound
+from gateway.policy.authenticator import Authenticator
+from gateway.policy.salt import derive_cache_salt
+from gateway.proxy.request_body import read_body
+from gateway.routing.replicas import ReplicaSet
+
+PATH = "/v1/prompt_schemas"
+
+
+def _json(payload: Any) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
+def _client_salt(value: object) -> str | None:
+    if value is None:
+        return None
+    problem = cache_salt_problem(value)
+    if problem is not None:
+        raise InvalidRequest(problem, param="cache_salt")
+    assert isinstance(value, str)
+    return value
+
+
+class PromptSchemaRoutes:
+    def __init__(self, replicas: ReplicaSet, authenticator: Authenticator, secret: bytes,
+                 bodies: BodyReader) -> None:
+        self.replicas = replicas
+        self.authenticator = authenticator
+        self.secret = secret
+        self.bodies = bodies
+
+    def _tenant(self, request: Request) -> Tenant:
+        tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
+        if self.replicas.kind != "vllm":
+            raise NotFound(f"prompt schemas need a prefixgate engine upstream (this one is {self.replicas.kind})",
+                           code="not_supported")
+        return tenant
+
+    def _salt(self, tenant: Tenant, client_salt: str | None) -> dict[str, str]:
+        salt = derive_cache_salt(self.secret, tenant.scope, client_salt)
+        return {} if salt is None else {"cache_salt": salt}
+
+    async def create(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        with self.bodies.lease(tenant.name) as lease:
+            raw = await read_body(request, self.bodies, lease)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        client_salt = _client_salt(body.pop("cache_salt", None))
+        content = orjson.dumps({**body, **self._salt(tenant, client_salt)})
+        answers = [await replica.upstream.call("POST", PATH, content=content, tenant=tenant.name)
+                   for replica in self.replicas.replicas]
+        return _json(answers[0])
+
+    async def list_schemas(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        params = self._salt(tenant, _client_salt(request.query_params.get("cache_salt")))
+        return _json(await self.replicas.replicas[0].upstream.call("GET", PATH, params=params, tenant=tenant.name))
+
+    async def delete(self, request: Request) -> Response:
+        tenant = self._tenant(request)
+        params = self._salt(tenant, _client_salt(request.query_params.get("cache_salt")))
+        path = f"{PATH}/{quote(request.path_params['name'], safe='')}"
+        answers = [await replica.upstream.call("DELETE", path, params=params, tenant=tenant.name)
+                   for replica in self.replicas.replicas]
+        return _json(answers[0])
