@@ -14,7 +14,11 @@ Invariants:
   scheduler reserves a step's slots right before its forward);
 * a request samples when its forward leaves ``num_computed_tokens == kv.num_tokens``;
 * ``num_cached_tokens`` is the prefix-cache hit taken at its first admission: whole
-  blocks, never the last prompt token;
+  blocks, never the last prompt token; for a segmented request, plus the module
+  tokens reused and not recomputed (:mod:`engine.core.module_assembler`);
+* while a segmented request's KV is assembled (``assembly.active``), it holds
+  slots for all its tokens and ``num_computed_tokens`` is the first position still
+  to compute;
 * ``tenant`` (the scheduler's fairness key) is the request's tenant, else its cache
   salt, else None (one shared tenant).
 """
@@ -25,6 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from engine.core.assembly import Assembly, assembly_key
 from engine.core.detokenizer import Detokenizer
 from engine.core.output_stream import GenerationRequest, OutputStream
 from engine.core.sampler import make_generator
@@ -53,7 +58,10 @@ class EngineRequest:
             cache_salt=request.cache_salt,
             mm_items=request.mm_items,
             block_size=block_size,
+            assembly=None if request.segmented is None else assembly_key(request.segmented),
         )
+        self.segmented = request.segmented
+        self.assembly: Assembly | None = None
         self.num_prompt_tokens = self.kv.num_prompt_tokens
         self.mm_inputs = request.mm_inputs
         self.tenant = request.tenant if request.tenant is not None else request.cache_salt
@@ -68,8 +76,15 @@ class EngineRequest:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose K/V are still to be computed (1 while decoding)."""
+        """Tokens whose K/V are still to be computed (1 while decoding); while a
+        segmented request's KV is being assembled, its encode and run tokens."""
+        if self.assembly is not None and self.assembly.active:
+            return self.assembly.num_pending
         return self.kv.num_tokens - self.num_computed_tokens
+
+    def advance(self, end: int) -> None:
+        """After a forward that computed this request's tokens up to ``end``."""
+        self.num_computed_tokens = end if self.assembly is None else self.assembly.frontier(end)
 
     @property
     def prefilling(self) -> bool:

@@ -10,7 +10,10 @@ class EngineStats:
     """A snapshot of the engine's counters (tokens for queries and hits). The ``disk_*``
     fields are the disk tier's (``--kv-offload-dir``): blocks loaded (hits), chains
     that stopped at a block not on disk (misses), bytes, files removed as unusable,
-    writes dropped under back-pressure, loads and their total time, files held."""
+    writes dropped under back-pressure, loads and their total time, files held. The
+    ``module_*`` fields are prompt modules' (:mod:`engine.core.module_assembler`):
+    cached module blocks in the pool, module tokens reused (copied, not recomputed)
+    and module tokens encoded, cumulative."""
 
     prefix_cache_requests: int
     prefix_cache_queries: int
@@ -41,3 +44,6 @@ class EngineStats:
     disk_load_seconds: float = 0.0
     disk_blocks: int = 0
     disk_bytes: int = 0
+    module_blocks: int = 0
+    module_tokens_reused: int = 0
+    module_tokens_encoded: int = 0

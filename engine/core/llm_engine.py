@@ -51,7 +51,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.model.kv_offload import KVOffload, model_fingerprint
+from engine.model.kv_shift import KVShifter
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
+from engine.model.llama import language_parts
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -127,7 +129,10 @@ class LLMEngine:
             self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            model=self.model_id,
         )
+        rotary = getattr(language_parts(model)[0], "rotary_emb", None) if hasattr(model, "model") else None
+        self.shifter = None if rotary is None else KVShifter(self.storage, rotary)
         self.offload: KVOffload | None = None
         if config.kv_offload_dir is not None:
             pool = self.kv_cache_manager.block_pool
@@ -269,6 +274,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
+            module_blocks=self.scheduler.modules.num_module_blocks,
+            module_tokens_reused=self.scheduler.modules.module_tokens_reused,
+            module_tokens_encoded=self.scheduler.modules.module_tokens_encoded,
             **self._encoder_cache_stats(),
             **self._disk_stats(),
         )
@@ -303,6 +311,8 @@ class LLMEngine:
             raise ValueError(f"token id {bad!r} is outside the vocabulary of {self.vocab_size}")
         if request.mm_items and not self.supports_images:
             raise ValueError("model does not accept images")
+        if request.segmented is not None and (request.mm_items or self.shifter is None):
+            raise ValueError("prompt modules need a text-only request to a model with rotary position embeddings")
         if self.image_processor is not None:
             self._validate_images(request)
         if not isinstance(request.params, SamplingParams):
@@ -374,7 +384,10 @@ class LLMEngine:
     def step(self) -> None:
         """Run one scheduler step: one forward over every scheduled token, then sample."""
         work = self.scheduler.schedule()
-        if not work.scheduled:
+        if work.copies:  # module K/V into segmented requests' blocks, before the forward reads them
+            assert self.shifter is not None
+            self.shifter.apply(work.copies)
+        if not work.scheduled and not work.encodes:
             return
         kvm = self.kv_cache_manager
         try:
@@ -388,16 +401,18 @@ class LLMEngine:
                 )
                 for s in work.scheduled
             ]
-            logits = self.runner.execute(inputs)
+            modules = [SequenceInput(e.token_ids, e.start, e.block_ids, sample=False) for e in work.encodes]
+            logits = self.runner.execute([*inputs, *modules])
         except Exception as exc:
             logger.exception("forward over %d requests failed", len(work.scheduled))
             self.scheduler.forget_unwritten(work)
-            for s in work.scheduled:
-                self._finish(s.request, "error", error=f"{type(exc).__name__}: {exc}")
+            failed = {id(r): r for r in [*(s.request for s in work.scheduled), *(e.request for e in work.encodes)]}
+            for req in failed.values():  # a module encode's blocks were never cached: nothing to forget
+                self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
             return
         row = 0
         for s in work.scheduled:
-            s.request.num_computed_tokens = s.end
+            s.request.advance(s.end)
             if s.samples:
                 self._sample(s.request, logits[row])
                 row += 1

@@ -31,9 +31,10 @@ class GenerationRequest:
     same identifiers and ranges. ``tenant`` names who the request is for, only to
     share prefill fairly between tenants (:mod:`engine.core.scheduler`; the cache
     salt when None); isolation is the salt's business, not this. ``segmented``: the
-    prompt cut into segments whose module KV may be reused
-    (:mod:`engine.promptcache.segments`); its ``token_ids`` equal ``prompt_token_ids``;
-    None for a plain request."""
+    prompt cut into segments whose KV may be assembled from prompt modules
+    (:mod:`engine.promptcache.segments`, :mod:`engine.core.module_assembler`); its
+    tokens must be ``prompt_token_ids`` (ValueError otherwise). None: computed
+    exactly, as always."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,6 +44,13 @@ class GenerationRequest:
     mm_inputs: tuple[Any, ...] = ()
     tenant: str | None = None
     segmented: SegmentedPrompt | None = None
+
+    def __post_init__(self) -> None:
+        if self.segmented is not None and self.segmented.token_ids != list(self.prompt_token_ids):
+            raise ValueError(
+                f"the segmented prompt's {len(self.segmented.token_ids)} tokens are not the request's "
+                f"{len(self.prompt_token_ids)} prompt tokens"
+            )
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,13 @@ tenant the producer's chunk takes the tenant's whole share until its last chunk.
 The newcomer waits at most as many steps as the producer has chunks left (tested
 in ``tests/engine/core/test_engine_batching.py``).
 
+Segmented requests (prompt modules, :mod:`engine.core.module_assembler`): admitted
+with blocks for all their tokens plus their missing module blocks; their module
+encodes (``SchedulerOutput.encodes``), copies (``SchedulerOutput.copies``, applied
+before the forward) and runs (several ``ScheduledSequence`` of one request in one
+step, in position order) take their tenant's prefill share like any prefill; a
+preempted or aborted one uncaches its blocks past its frontier first.
+
 Invariants:
 
 * admission is by reservation: the running requests' reservations
@@ -52,7 +59,8 @@ Invariants:
 * a request is in exactly one of ``waiting`` and ``running`` until it finishes;
   a step schedules a request at most once;
 * between steps a running request holds slots for exactly its
-  ``num_computed_tokens`` (a waiting one holds no block);
+  ``num_computed_tokens`` (a waiting one holds no block), except a segmented
+  request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests).
 """
 
@@ -63,7 +71,9 @@ from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core.engine_request import EngineRequest
+from engine.core.module_assembler import ModuleAssembler
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
+from engine.model.kv_shift import KVCopy
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
@@ -87,16 +97,31 @@ class ScheduledSequence:
         return self.end == self.request.kv.num_tokens
 
 
+@dataclass(frozen=True)
+class ModuleEncode:
+    """Compute a prompt module's tokens ``token_ids`` at positions ``start ..`` into the
+    module blocks ``block_ids`` (no sampling), for ``request``'s assembly."""
+
+    request: EngineRequest
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's work, in batch order, and the requests preempted to make room."""
+    """One step's work, in batch order, and the requests preempted to make room.
+    ``copies`` (module K/V moved into segmented requests' blocks) are done before the
+    forward, in order; ``encodes`` (module K/V computed) are part of the forward."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
+    encodes: list[ModuleEncode] = field(default_factory=list)
+    copies: list[KVCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled) + sum(len(e.token_ids) for e in self.encodes)
 
 
 class _Step:
@@ -134,6 +159,7 @@ class Scheduler:
         *,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        model: str = "model",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -152,6 +178,7 @@ class Scheduler:
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
         self.block_loader: BlockLoader | None = None
+        self.modules = ModuleAssembler(kv_cache_manager, model)
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
         self._capped_last = False  # the previous step's prefill was capped for a newcomer
@@ -241,6 +268,8 @@ class Scheduler:
 
     def _run(self, req: EngineRequest, n: int, step: _Step) -> bool:
         """Schedule ``n`` more tokens of a running request; False when it was preempted."""
+        if req.assembly is not None and req.assembly.active:
+            return self._assemble(req, n, step) > 0
         if not self._allocate_or_preempt(req, n, step):
             return False
         step.add(ScheduledSequence(req, req.num_computed_tokens, n))
@@ -260,18 +289,47 @@ class Scheduler:
         if self._next_block_in_progress(req, num_cached):
             return None
         n = min(req.kv.num_tokens - num_cached, most)
-        if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
+        assembled = self._assembles(req)
+        if assembled:
+            if not self.modules.admit(req, hits, num_cached):
+                return None
+        elif kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
             return None
         self.waiting.remove(req)
         kvm.count_query(req.kv, num_cached)
         if not req.admitted:
             req.admitted = True
-            req.num_cached_tokens = num_cached
+            req.num_cached_tokens = num_cached + (req.assembly.num_reused if req.assembly else 0)
         req.num_computed_tokens = num_cached
         self.running.append(req)
         self.reserved_blocks += need
+        if assembled:
+            return self._assemble(req, most, step)
         step.add(ScheduledSequence(req, num_cached, n))
         return n
+
+    def _assembles(self, req: EngineRequest) -> bool:
+        """A segmented request's KV is assembled from modules (with prefix caching on;
+        off, it is computed exactly like any request)."""
+        return req.segmented is not None and self.kv_cache_manager.enable_caching
+
+    def _assemble(self, req: EngineRequest, most: int, step: _Step) -> int:
+        """Schedule up to ``most`` tokens of a segmented request's assembly
+        (:mod:`engine.core.module_assembler`); the tokens scheduled."""
+        encodes, copies, runs = self.modules.schedule(req, min(most, step.budget))
+        step.out.copies.extend(copies)
+        if copies:
+            step.requests.add(req)  # its blocks are written this step: never preempted in it
+        used = 0
+        for token_ids, start, block_ids in encodes:
+            step.out.encodes.append(ModuleEncode(req, token_ids, start, block_ids))
+            step.requests.add(req)
+            used += len(token_ids)
+        step.budget -= used
+        for start, n in runs:
+            step.add(ScheduledSequence(req, start, n))
+            used += n
+        return used
 
     def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
         """True when the next block ``req`` could hit is one a running request has not
@@ -306,8 +364,16 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: EngineRequest) -> None:
+    def _drop_blocks(self, req: EngineRequest) -> None:
+        """Free ``req``'s blocks; a segmented request still assembling first uncaches
+        those past its frontier (cached at admission, not written yet)."""
+        if req.assembly is not None and req.assembly.active:
+            self.kv_cache_manager.uncache_unwritten_blocks(req.request_id, req.num_computed_tokens)
         self.kv_cache_manager.free(req.request_id)
+        self.modules.release(req)
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self._drop_blocks(req)
         self.running.remove(req)
         self.reserved_blocks -= self.reservation(req)
         req.num_computed_tokens = 0
@@ -327,12 +393,13 @@ class Scheduler:
 
     def remove(self, request_id: str) -> EngineRequest | None:
         """Take a request out of the queues and free its blocks; None if unknown."""
-        self.kv_cache_manager.free(request_id)
         for req in self.running:
             if req.request_id == request_id:
+                self._drop_blocks(req)
                 self.running.remove(req)
                 self.reserved_blocks -= self.reservation(req)
                 return req
+        self.kv_cache_manager.free(request_id)
         for i, waiting in enumerate(self.waiting):
             if waiting.request_id == request_id:
                 del self.waiting[i]

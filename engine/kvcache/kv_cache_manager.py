@@ -50,7 +50,8 @@ class KVCacheManager:
     reserved, and how many of its leading blocks are cached. Invariants, all checked
     by :meth:`check_integrity`:
 
-    * each block's ref count equals the number of block tables holding it;
+    * each block's ref count equals the number of block tables holding it, plus
+      the number of prompt-module holds on it (:meth:`hold_module_blocks`);
     * a block is in the free queue if and only if its ref count is 0;
     * a request with ``s`` reserved slots holds ``ceil(s / block_size)`` blocks;
     * the first ``num_cached_blocks`` blocks of a table carry the request's block
@@ -69,6 +70,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
         self._stats = PrefixCacheStats()
+        self.module_holds: dict[str, list[KVCacheBlock]] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -255,6 +257,27 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(blocks[::-1])
 
+    def hold_module_blocks(self, owner: str, hits: Sequence[KVCacheBlock], num_new: int) -> list[KVCacheBlock] | None:
+        """Reference prompt-module blocks for ``owner`` (a request id): the cached
+        ``hits`` and ``num_new`` fresh blocks, returned (None, changing nothing, when
+        too few blocks are free). Held until :meth:`release_module_blocks`. Changes
+        the free queue, not the hash map (the caller caches a module's blocks once
+        their K/V are written)."""
+        if num_new > self.block_pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0):
+            return None
+        self.block_pool.touch(hits)
+        new = self.block_pool.get_new_blocks(num_new)
+        self.module_holds.setdefault(owner, []).extend([*hits, *new])
+        return new
+
+    def release_module_blocks(self, owner: str) -> None:
+        """Drop ``owner``'s module references; blocks reaching ref 0 join the free
+        queue's tail (cached ones stay findable until evicted, LRU like any block).
+        A fresh block never cached is forgotten at once (nothing to find). Idempotent."""
+        blocks = self.module_holds.pop(owner, None)
+        if blocks:
+            self.block_pool.free_blocks(blocks[::-1])
+
     def uncache_unwritten_blocks(self, request_id: str, num_written_tokens: int) -> None:
         """After a failed forward: forget the hashes of the request's blocks past its
         first ``num_written_tokens // block_size``, whose K/V were never written, so
@@ -337,6 +360,12 @@ class KVCacheManager:
                 for i in range(n_cached):
                     if blocks[i].block_hash != req.block_hashes[i]:
                         fail(f"request {rid!r} block {i} ({blocks[i]}) lost its hash")
+        for owner, held in self.module_holds.items():
+            ids = [b.block_id for b in held]
+            if len(set(ids)) != len(ids):
+                fail(f"module holder {owner!r} holds a block twice: {ids}")
+            for b in held:
+                refs[b.block_id] += 1
         for block in pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 fail(f"{block} ref_cnt != {refs[block.block_id]} block-table references")

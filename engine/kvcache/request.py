@@ -10,6 +10,7 @@ from engine.kvcache.block_hash import (
     MultiModalItem,
     hash_block_chain,
 )
+from engine.kvcache.module_hash import assembled_root
 
 MAX_CACHE_SALT_CHARS = 1024
 
@@ -24,6 +25,9 @@ class Request:
       have a hash, so ``len(block_hashes) == num_tokens // bs``.
     * the prompt, the salt, the LoRA id and the multimodal items never change;
       output tokens are only appended.
+    * with ``assembly`` (a request whose KV is built from prompt modules), the chain
+      starts at :func:`~engine.kvcache.module_hash.assembled_root` of it instead of
+      the root: its blocks are never found by, nor find, an exact request's.
     """
 
     def __init__(
@@ -35,6 +39,7 @@ class Request:
         mm_items: Iterable[MultiModalItem] = (),
         *,
         block_size: int | None = None,
+        assembly: bytes | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -64,6 +69,8 @@ class Request:
         self.mm_items: tuple[MultiModalItem, ...] = tuple(items)
         self.block_hashes: list[BlockHash] = []
         self.block_size: int | None = None
+        self.assembly = assembly
+        self._root = ROOT_BLOCK_HASH if assembly is None else assembled_root(assembly)
         if block_size is not None:
             self.bind_block_size(block_size)
 
@@ -108,7 +115,7 @@ class Request:
         if self.block_size is None:
             return
         start = len(self.block_hashes)
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
+        parent = self.block_hashes[-1] if self.block_hashes else self._root
         self.block_hashes.extend(
             hash_block_chain(
                 self._all_token_ids,

@@ -13,6 +13,10 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_prefix_cache_evictions_total``: cached blocks reused for new data;
 * ``prefixgate_engine_kv_blocks_used`` / ``..._free`` / ``..._total``;
 * ``prefixgate_engine_requests_running`` / ``..._waiting``;
+* ``prefixgate_engine_module_blocks`` (an engine whose model has rotary position
+  embeddings): KV blocks holding prompt modules (issue 21),
+  ``..._module_reused_tokens_total`` / ``..._module_encoded_tokens_total``: module
+  tokens reused in segmented requests (copied, not recomputed) and encoded;
 * ``prefixgate_engine_time_to_first_token_seconds``: histogram, request arrival to
   the first generated token;
 * ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests;
@@ -90,6 +94,13 @@ class _EngineCollector(Collector):
                          stats.encoder_cache_bytes, labels)
         if getattr(self.engine, "offload", None) is not None:
             yield from self._disk(stats, labels)
+        if getattr(self.engine, "shifter", None) is not None:  # an engine that can reuse prompt modules
+            yield _gauge("module_blocks", "KV blocks holding prompt modules' K/V (held or evictable).",
+                         stats.module_blocks, labels)
+            yield _counter("module_reused_tokens", "Prompt-module tokens reused (copied, not recomputed).",
+                           stats.module_tokens_reused, labels)
+            yield _counter("module_encoded_tokens", "Prompt-module tokens encoded into module blocks.",
+                           stats.module_tokens_encoded, labels)
         yield from self._vllm_named(stats)
 
     def _disk(self, stats: Any, labels: list[str]) -> Iterator[Metric]:

@@ -1,0 +1,104 @@
+"""Prompt modules (issue 21) on the bundled model: the copy and re-rotation are exact
+where they must be, and recovery brings the output distribution closer to full prefill."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.core.llm_engine import GenerationRequest, SamplingParams
+from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
+
+_ids = itertools.count()
+LICENSES = Path("/usr/share/common-licenses")
+
+
+@pytest.fixture(scope="module")
+def texts(real_engine):
+    tok = real_engine.tokenizer
+    names = ["Apache-2.0", "GPL-3", "MPL-2.0", "Artistic", "BSD"]
+    out = []
+    for name in names:
+        words = (LICENSES / name).read_text(errors="replace").split()
+        out.append(tuple(tok.encode(" ".join(words[200:300]) + "\n\n", add_special_tokens=False)))
+    marker = "\x00C\x00"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    head, tail = rendered.split(marker)
+    enc = lambda s: tuple(tok.encode(s, add_special_tokens=False))  # noqa: E731
+    return {"docs": out, "head": enc(head), "tail": lambda q: enc(f"Question: {q}" + tail)}
+
+
+def prompt(texts, order, question, recovery, head=True):
+    segs = [Segment(texts["head"])] if head else []
+    segs += [Segment(texts["docs"][i], f"lic{i}") for i in order]
+    segs.append(Segment(texts["tail"](question)))
+    return SegmentedPrompt(tuple(segs), recovery)
+
+
+def generate(engine, sp, segmented, logits, max_tokens=8):
+    rid = f"real-mod-{next(_ids)}"
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = engine.submit(GenerationRequest(rid, sp.token_ids, params, segmented=sp if segmented else None)).result(600)
+    assert outs[-1].error is None
+    return [t for o in outs for t in o.new_token_ids], logits[rid], outs[-1].num_cached_tokens
+
+
+@pytest.fixture
+def logits(real_engine):
+    seen: dict[str, torch.Tensor] = {}
+    real_engine.first_logits_observer = lambda rid, row: seen.__setitem__(rid, row.float().clone())
+    yield seen
+    real_engine.first_logits_observer = None
+
+
+def test_module_at_its_encode_position_is_exact_prefill(real_engine, texts, logits):
+    none = Recovery("none")
+    generate(real_engine, prompt(texts, [1, 0], "Warm up.", none), True, logits, 1)  # encodes lic0 at position 0
+    sp = prompt(texts, [0], "What does it say?", none, head=False)
+    seg_tokens, seg_logits, cached = generate(real_engine, sp, True, logits)
+    assert cached == len(texts["docs"][0])  # the module was reused, not computed
+    exact_tokens, exact_logits, _ = generate(real_engine, sp, False, logits)
+    assert seg_tokens == exact_tokens and torch.equal(seg_logits, exact_logits)
+
+
+def test_recomputing_every_module_token_is_exact_prefill(real_engine, texts, logits):
+    sp = prompt(texts, [2, 0, 1], "Which is the most permissive?", Recovery("epic", first_tokens=10**6))
+    seg_tokens, seg_logits, cached = generate(real_engine, sp, True, logits)
+    exact_tokens, exact_logits, _ = generate(real_engine, sp, False, logits)
+    assert cached == 0
+    assert seg_tokens == exact_tokens and torch.equal(seg_logits, exact_logits)
+
+
+def test_re_rotation_matches_rope_at_the_new_position(real_engine):
+    shifter = real_engine.shifter
+    keys = torch.randn(3, 40, real_engine.layout.head_dim, dtype=torch.float32)
+    positions = torch.arange(5, 45)
+    cos, sin = shifter.angles(positions)
+    from engine.model.kv_shift import _rotate
+
+    at = _rotate(keys, cos, sin)
+    for delta in (1, 300, 4000):
+        cos_d, sin_d = shifter.angles(torch.full((40,), delta))
+        cos_t, sin_t = shifter.angles(positions + delta)
+        moved = _rotate(at, cos_d, sin_d)
+        # float32 angles of large positions carry ~position * 6e-8 of error; bfloat16 keys 4e-3
+        assert torch.allclose(moved, _rotate(keys, cos_t, sin_t), atol=2e-3), delta
+
+
+def test_recovery_brings_the_first_distribution_closer_to_full_prefill(real_engine, texts, logits):
+    orders = [[1, 3, 0, 4], [4, 2, 1, 0], [3, 0, 2, 1], [0, 4, 3, 2]]
+    kl: dict[str, list[float]] = {"none": [], "cacheblend": []}
+    generate(real_engine, prompt(texts, [0, 1, 2, 3, 4], "Warm up.", Recovery("none")), True, logits, 1)
+    for i, order in enumerate(orders):
+        question = f"Summarize the obligations. ({i})"
+        _, full, _ = generate(real_engine, prompt(texts, order, question, Recovery()), False, logits, 1)
+        for mode in kl:
+            sp = prompt(texts, order, question, Recovery(mode, fraction=0.3))
+            _, got, cached = generate(real_engine, sp, True, logits, 1)
+            assert cached > 0
+            p, q = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
+            kl[mode].append(float((p.exp() * (p - q)).sum()))
+    assert sum(kl["cacheblend"]) < sum(kl["none"]), kl
