@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.core.detokenizer import Detokenizer
 from engine.core.output_stream import GenerationRequest, OutputStream
+from engine.core.prompt_logprobs import PromptLogprobs
 from engine.core.sampler import make_generator
 from engine.kvcache.request import Request
 
@@ -65,6 +66,11 @@ class EngineRequest:
         self.stream: OutputStream | None = None
         self.arrival_time = time.monotonic()
         self.num_preemptions = 0
+        top = request.params.prompt_logprobs
+        self.prompt_logprobs: PromptLogprobs | None = (
+            None if top is None else PromptLogprobs(request.prompt_token_ids, top)
+        )
+        """Filled while the prompt is computed; handed out (and set to None) with the first token."""
 
     @property
     def num_uncomputed_tokens(self) -> int:

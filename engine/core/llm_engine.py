@@ -385,10 +385,14 @@ class LLMEngine:
                     block_ids=kvm.get_block_ids(s.request.request_id),
                     sample=s.samples,
                     embeds=self._embeds(s.request, s.start, s.end),
+                    prompt_rows=self._prompt_rows(s.request, s.start, s.end),
                 )
                 for s in work.scheduled
             ]
             logits = self.runner.execute(inputs)
+            for s, prompt_logits in zip(work.scheduled, self.runner.prompt_logits, strict=True):
+                if prompt_logits is not None and s.request.prompt_logprobs is not None:
+                    s.request.prompt_logprobs.add(s.start, prompt_logits)
         except Exception as exc:
             logger.exception("forward over %d requests failed", len(work.scheduled))
             self.scheduler.forget_unwritten(work)
@@ -414,6 +418,11 @@ class LLMEngine:
         except Exception:  # the disk tier is an optimisation: never fail requests for it
             logger.exception("KV offload: saving blocks failed")
 
+    @staticmethod
+    def _prompt_rows(req: EngineRequest, start: int, end: int) -> int:
+        """Rows of the chunk ``[start, end)`` whose logits score prompt tokens (0 unless asked)."""
+        return 0 if req.prompt_logprobs is None else req.prompt_logprobs.rows_for(start, end)
+
     def _embeds(self, req: EngineRequest, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Image features for the chunk ``[start, end)`` of ``req`` (none past its prompt)."""
         if self.embedder is None or not req.mm_inputs or start >= req.num_prompt_tokens:
@@ -422,6 +431,9 @@ class LLMEngine:
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
         first = not req.kv.output_token_ids
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs.entries, None
         try:
             if first and self.first_logits_observer is not None:
                 self.first_logits_observer(req.request_id, logits)
@@ -441,7 +453,8 @@ class LLMEngine:
         finished = reason is not None
         if finished:
             self._release(req)
-        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs)
+        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs)
 
     def _abort_now(self, request_id: str) -> None:
         req = self.scheduler.remove(request_id)
@@ -456,7 +469,7 @@ class LLMEngine:
 
     def _emit(
         self, req: EngineRequest, tokens: list[int], text: str, reason: str | None, error: str | None = None,
-        logprobs: list[TokenLogprobs] | None = None,
+        logprobs: list[TokenLogprobs] | None = None, prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> None:
         output = StepOutput(
             new_token_ids=tokens,
@@ -467,6 +480,7 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             error=error,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         assert req.stream is not None
         if not req.stream.put(output) and reason is None:

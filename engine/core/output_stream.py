@@ -42,11 +42,13 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One sampled token's log-probability and the ``top`` most likely (id, logprob), best first."""
+    """One token's log-probability and the ``top`` most likely (id, logprob), best first;
+    ``rank`` (prompt tokens only, else None): 1 + how many tokens were more likely."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -61,6 +63,9 @@ class StepOutput:
     num_cached_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With the first token of a request whose params set ``prompt_logprobs``: one per
+    prompt token, None for the first (nothing precedes it)."""
 
 
 class OutputStream:

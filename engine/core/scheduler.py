@@ -257,6 +257,8 @@ class Scheduler:
         kvm = self.kv_cache_manager
         self._load_from_lower_tier(req)
         hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
+        if req.prompt_logprobs is not None:  # reused K/V have no logits to score the prompt with
+            hits, num_cached = [], 0
         if self._next_block_in_progress(req, num_cached):
             return None
         n = min(req.kv.num_tokens - num_cached, most)

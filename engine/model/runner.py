@@ -53,6 +53,8 @@ class SequenceInput:
     blocks. ``sample``: return logits for its last token. ``embeds``: pairs ``(rows,
     values)``, the input embeddings of some of its tokens (``rows`` index
     ``token_ids``; image features), used instead of the tokens' embeddings.
+    ``prompt_rows``: also return the logits of its first ``prompt_rows`` tokens
+    (:attr:`ModelRunner.prompt_logits`; for prompt log-probabilities).
     """
 
     token_ids: Sequence[int]
@@ -60,6 +62,7 @@ class SequenceInput:
     block_ids: Sequence[int]
     sample: bool
     embeds: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    prompt_rows: int = 0
 
 
 class ModelRunner:
@@ -75,6 +78,9 @@ class ModelRunner:
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
         self._linears: linear.TiledLinears | None = None
+        self.prompt_logits: list[torch.Tensor | None] = []
+        """Set by each :meth:`execute`: per sequence, the logits (model dtype, ``[prompt_rows,
+        vocab]``) of its first ``prompt_rows`` tokens, None where it asked for none."""
         if q4_layers is not None and not self.lean:
             raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
@@ -128,6 +134,7 @@ class ModelRunner:
         logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % ROW_MULTIPLE or 0))
         if not logit_rows:
             logit_rows = [0] * ROW_MULTIPLE
+        prompt_at = self._add_prompt_rows(sequences, logit_rows)
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
@@ -146,4 +153,25 @@ class ModelRunner:
                         logits_to_keep=rows, paged_batch=batch,
                     )
                 logits = out.logits[0]
+            self.prompt_logits = [None if at is None else logits[at[0] : at[1]] for at in prompt_at]
             return logits[:num_logits].float()
+
+    @staticmethod
+    def _add_prompt_rows(sequences: Sequence[SequenceInput], logit_rows: list[int]) -> list[tuple[int, int] | None]:
+        """Append the rows whose logits sequences asked for beyond their last token to
+        ``logit_rows`` (after the sampled rows, padded to a multiple of ROW_MULTIPLE: the
+        LM head's tiles then keep the sampled rows' bits); each sequence's range of them."""
+        spans: list[tuple[int, int] | None] = []
+        row = 0
+        for seq in sequences:
+            if seq.prompt_rows > len(seq.token_ids):
+                raise ValueError(f"prompt_rows {seq.prompt_rows} exceeds the {len(seq.token_ids)} tokens computed")
+            if seq.prompt_rows:
+                spans.append((len(logit_rows), len(logit_rows) + seq.prompt_rows))
+                logit_rows.extend(range(row, row + seq.prompt_rows))
+            else:
+                spans.append(None)
+            row += len(seq.token_ids)
+        if len(logit_rows) % ROW_MULTIPLE:
+            logit_rows.extend([logit_rows[-1]] * (-len(logit_rows) % ROW_MULTIPLE))
+        return spans

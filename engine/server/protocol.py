@@ -19,7 +19,8 @@ Rules (each enforced in exactly one place below):
   :mod:`engine.server.tool_calls`, ``response_format`` by
   :mod:`engine.server.structured_output`;
 * ``n`` is at most :data:`MAX_N`; chat ``top_logprobs`` needs ``logprobs: true``;
-  completions' ``logprobs`` is the number of alternatives (0 to 20);
+  completions' ``logprobs`` is the number of alternatives (0 to 20), and so is
+  their ``prompt_logprobs`` (vLLM's: per prompt token, its logprob and alternatives);
 * ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
 * ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
@@ -65,6 +66,7 @@ class GenerationBody:
     ignore_eos: bool
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
+    prompt_logprobs: int | None = None  # completions: each prompt token's logprob and k alternatives
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = NO_TOOLS
@@ -121,6 +123,7 @@ class GenerationBody:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -154,11 +157,13 @@ def parse_completion_body(body: object, vocab_size: int) -> GenerationBody:
     obj = _require_object(body)
     prompt = _parse_prompt(obj.get("prompt"), vocab_size)
     logprobs = _opt_int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)
+    prompt_logprobs = _opt_int(obj, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     _refuse_unless(obj, "echo", (False,), "echo is not supported by this engine.")
     _refuse_unless(obj, "suffix", ("",), "suffix is not supported by this engine.")
     _refuse_unless(obj, "best_of", (1,), "best_of other than 1 is not supported by this engine.")
     max_tokens = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
-    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt, logprobs=logprobs)
+    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs)
 
 
 def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | None,
