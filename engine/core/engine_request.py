@@ -30,6 +30,7 @@ from engine.core.output_stream import GenerationRequest, OutputStream
 from engine.core.prompt_logprobs import PromptLogprobs
 from engine.core.sampler import make_generator
 from engine.kvcache.request import Request
+from engine.model.packed_kv import PackedKV
 
 
 class EngineRequest:
@@ -71,6 +72,11 @@ class EngineRequest:
             None if top is None else PromptLogprobs(request.prompt_token_ids, top)
         )
         """Filled while the prompt is computed; handed out (and set to None) with the first token."""
+        self.compress = False
+        """Compress this request's KV after its prefill (resolved by the engine)."""
+        self.packed: PackedKV | None = None
+        """Its packed K/V once compressed (:mod:`engine.model.packed_kv`), else None."""
+        self.packed_reservation: int | None = None
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import KV_COMPRESSIONS, EngineConfig
 from engine.core.detokenizer import eos_token_ids
 from engine.core.engine_request import EngineRequest
 from engine.core.engine_stats import EngineStats
@@ -52,6 +52,8 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
+from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import AttentionCapture, PyramidSchedule, compact, select
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -134,6 +136,11 @@ class LLMEngine:
             self.offload = KVOffload(self.storage, config.kv_offload_dir, config.kv_offload_size_gib,
                                      model_fingerprint(model), event_sink=lambda: pool.event_sink)
             self.scheduler.block_loader = self.offload
+        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window)
+        self.num_compressed = 0
+        self.retained_tokens: list[int] = []
+        """Per compression, the tokens kept summed over layers (what an exact request of
+        that length holds: tokens * layers); for the metrics, bounded."""
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
         self._rng = random.Random(config.seed)
@@ -307,7 +314,10 @@ class LLMEngine:
             self._validate_images(request)
         if not isinstance(request.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(request.params).__name__}")
-        return EngineRequest(
+        mode = request.kv_compression or self.config.kv_compression
+        if mode not in KV_COMPRESSIONS:
+            raise ValueError(f"kv_compression must be one of {KV_COMPRESSIONS}, got {request.kv_compression!r}")
+        req = EngineRequest(
             request,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
@@ -315,6 +325,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             fallback_seed=self._next_seed(),
         )
+        req.compress = mode == "pyramid"
+        return req
 
     def _validate_images(self, request: GenerationRequest) -> None:
         """Every image item has its pixels, and the image token appears exactly at the
@@ -377,17 +389,20 @@ class LLMEngine:
         if not work.scheduled:
             return
         kvm = self.kv_cache_manager
+        captures = [self._capture(s.request, s.start, s.end) for s in work.scheduled]
         try:
             inputs = [
                 SequenceInput(
                     token_ids=s.request.kv.all_token_ids[s.start : s.end],
                     start=s.start,
-                    block_ids=kvm.get_block_ids(s.request.request_id),
+                    block_ids=kvm.get_block_ids(s.request.request_id) if s.request.packed is None else [],
                     sample=s.samples,
                     embeds=self._embeds(s.request, s.start, s.end),
                     prompt_rows=self._prompt_rows(s.request, s.start, s.end),
+                    capture=capture,
+                    packed=s.request.packed,
                 )
-                for s in work.scheduled
+                for s, capture in zip(work.scheduled, captures, strict=True)
             ]
             logits = self.runner.execute(inputs)
             for s, prompt_logits in zip(work.scheduled, self.runner.prompt_logits, strict=True):
@@ -407,6 +422,31 @@ class LLMEngine:
                 row += 1
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies
             self._offload(work, inputs)
+        for s, capture in zip(work.scheduled, captures, strict=True):
+            if capture is not None and s.request in self.scheduler.running:
+                self._compress(s.request, capture)
+
+    def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
+        """An attention capture for the chunk that ends a compressed request's prefill."""
+        if not req.compress or req.packed is not None or end != req.kv.num_tokens or end - start < 2:
+            return None
+        return AttentionCapture(self.pyramid.window) if end >= self.pyramid.min_tokens else None
+
+    def _compress(self, req: EngineRequest, capture: AttentionCapture) -> None:
+        """Keep each layer's selected tokens in packed pages and give the exact blocks
+        back (between steps; the request stays exact when the pool cannot hold both)."""
+        n = req.num_computed_tokens
+        keep = select(capture, self.pyramid, n, self.layout.num_layers)
+        packed = PackedKV(self.storage, [k.numel() for k in keep])
+        future = req.params.max_tokens - len(req.kv.output_token_ids)
+        try:
+            done = self.scheduler.compress(req, packed, lambda old: compact(self.storage, old, keep, packed), future)
+        except Exception:  # an optimisation: the request goes on exact
+            logger.exception("KV compression of %s failed", req.request_id)
+            return
+        if done:
+            self.num_compressed += 1
+            self.retained_tokens = [*self.retained_tokens[-999:], packed.num_tokens]
 
     def _offload(self, work: SchedulerOutput, inputs: list[SequenceInput]) -> None:
         """Hand the blocks this forward filled to the disk tier. Their K/V are in place
@@ -414,7 +454,7 @@ class LLMEngine:
         assert self.offload is not None
         try:
             self.offload.save([(s.request.kv, s.start, s.end, x.block_ids)
-                               for s, x in zip(work.scheduled, inputs, strict=True)])
+                               for s, x in zip(work.scheduled, inputs, strict=True) if x.packed is None])
         except Exception:  # the disk tier is an optimisation: never fail requests for it
             logger.exception("KV offload: saving blocks failed")
 

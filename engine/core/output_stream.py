@@ -29,7 +29,8 @@ class GenerationRequest:
     vision-language model) are one per ``mm_items`` entry, in the same order, with the
     same identifiers and ranges. ``tenant`` names who the request is for, only to
     share prefill fairly between tenants (:mod:`engine.core.scheduler`; the cache
-    salt when None); isolation is the salt's business, not this."""
+    salt when None); isolation is the salt's business, not this. ``kv_compression``:
+    ``"pyramid"`` or ``"none"`` for this request, None for the engine's default."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,6 +39,7 @@ class GenerationRequest:
     mm_items: tuple[MultiModalItem, ...] = ()
     mm_inputs: tuple[Any, ...] = ()
     tenant: str | None = None
+    kv_compression: str | None = None
 
 
 @dataclass(frozen=True)

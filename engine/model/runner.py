@@ -41,6 +41,9 @@ from engine.model.attention import (
     padded_length,
 )
 from engine.model.kv_storage import KVStorage
+from engine.model.packed_attention import PackedDecodes
+from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import AttentionCapture
 from engine.model.q4_weights import Q4Matrix
 
 
@@ -54,7 +57,8 @@ class SequenceInput:
     values)``, the input embeddings of some of its tokens (``rows`` index
     ``token_ids``; image features), used instead of the tokens' embeddings.
     ``prompt_rows``: also return the logits of its first ``prompt_rows`` tokens
-    (:attr:`ModelRunner.prompt_logits`; for prompt log-probabilities).
+    (:attr:`ModelRunner.prompt_logits`; for prompt log-probabilities). ``capture``:
+    collect its last tokens' attention per layer (:mod:`engine.model.pyramid`).
     """
 
     token_ids: Sequence[int]
@@ -63,6 +67,10 @@ class SequenceInput:
     sample: bool
     embeds: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
     prompt_rows: int = 0
+    capture: AttentionCapture | None = None
+    packed: PackedKV | None = None
+    """A compressed request's decode (one token; ``block_ids`` unused): attends its packed
+    pages (:mod:`engine.model.packed_attention`), which have room for the token."""
 
 
 class ModelRunner:
@@ -102,6 +110,8 @@ class ModelRunner:
         logit_rows: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
+        packed_rows: list[int] = []
+        packed: list[PackedKV] = []
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
@@ -112,13 +122,22 @@ class ModelRunner:
                 embed_values.append(values)
             ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
+            if seq.packed is not None:
+                if n != 1 or seq.embeds:
+                    raise ValueError("a compressed request computes one token per step")
+                slots.append(storage.pad_slot)
+                packed_rows.append(row)
+                packed.append(seq.packed)
+                if seq.sample:
+                    logit_rows.append(row)
+                continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
             used = -(-end // bs)
             table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
             if n == 1:
                 decodes.setdefault(len(table), []).append((row, seq.start, table))
             else:
-                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table)))
+                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table), capture=seq.capture))
             if seq.sample:
                 logit_rows.append(row + n - 1)
         groups = [
@@ -135,7 +154,8 @@ class ModelRunner:
         if not logit_rows:
             logit_rows = [0] * ROW_MULTIPLE
         prompt_at = self._add_prompt_rows(sequences, logit_rows)
-        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups,
+                               PackedDecodes(packed_rows, packed) if packed else None)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)
@@ -154,6 +174,8 @@ class ModelRunner:
                     )
                 logits = out.logits[0]
             self.prompt_logits = [None if at is None else logits[at[0] : at[1]] for at in prompt_at]
+            if batch.packed is not None:
+                batch.packed.advance()
             return logits[:num_logits].float()
 
     @staticmethod
