@@ -62,6 +62,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_compression not in KV_COMPRESSIONS:
             raise ValueError(f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}")
+        if not isinstance(self.kv_min_retention, int | float) or not 0 < self.kv_min_retention <= 1:
+            raise ValueError(f"kv_min_retention must be in (0, 1], got {self.kv_min_retention!r}")
+        if not isinstance(self.kv_window, int) or isinstance(self.kv_window, bool) or self.kv_window < 1:
+            raise ValueError(f"kv_window must be a positive int, got {self.kv_window!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:

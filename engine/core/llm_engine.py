@@ -138,9 +138,9 @@ class LLMEngine:
             self.scheduler.block_loader = self.offload
         self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window)
         self.num_compressed = 0
-        self.retained_tokens: list[int] = []
-        """Per compression, the tokens kept summed over layers (what an exact request of
-        that length holds: tokens * layers); for the metrics, bounded."""
+        self.compressed_tokens = 0
+        self.retained_tokens = 0.0
+        """Summed over compressions: the tokens requests had, and kept (averaged over layers)."""
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
         self._rng = random.Random(config.seed)
@@ -276,6 +276,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
+            kv_compressed=self.num_compressed,
+            kv_compressed_tokens=self.compressed_tokens,
+            kv_retained_tokens=self.retained_tokens,
             **self._encoder_cache_stats(),
             **self._disk_stats(),
         )
@@ -446,7 +449,8 @@ class LLMEngine:
             return
         if done:
             self.num_compressed += 1
-            self.retained_tokens = [*self.retained_tokens[-999:], packed.num_tokens]
+            self.compressed_tokens += n
+            self.retained_tokens += packed.num_tokens / self.layout.num_layers
 
     def _offload(self, work: SchedulerOutput, inputs: list[SequenceInput]) -> None:
         """Hand the blocks this forward filled to the disk tier. Their K/V are in place

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import KV_COMPRESSIONS
 from engine.contract.errors import context_length_exceeded, invalid_param, unsupported_param
 from engine.contract.limits import MAX_JSON_DEPTH, cache_salt_problem, too_deep_field
 from engine.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -67,6 +68,7 @@ class GenerationBody:
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
     prompt_logprobs: int | None = None  # completions: each prompt token's logprob and k alternatives
+    kv_compression: str | None = None  # "pyramid" | "none"; None: the engine's default
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = NO_TOOLS
@@ -199,6 +201,7 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
         stop=_stop(obj.get("stop")),
         stop_token_ids=_stop_token_ids(obj.get("stop_token_ids"), vocab_size),
         ignore_eos=_opt_bool(obj, "ignore_eos") or False,
+        kv_compression=_kv_compression(obj.get("kv_compression")),
         n=n or 1,
         **inputs,
     )
@@ -266,6 +269,13 @@ def _include_usage(obj: dict[str, Any], stream: bool) -> bool:
     if not stream:
         raise invalid_param("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     return _opt_bool(options, "include_usage") or False
+
+
+def _kv_compression(value: object) -> str | None:
+    if value is None or value in KV_COMPRESSIONS:
+        return value  # type: ignore[return-value]
+    raise invalid_param(f"'kv_compression' must be one of {list(KV_COMPRESSIONS)}, got {value!r}.",
+                        "kv_compression")
 
 
 def _cache_salt(value: object) -> str | None:

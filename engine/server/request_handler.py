@@ -263,6 +263,7 @@ class RequestHandler:
                 request_id=builder.id if body.n == 1 else f"{builder.id}-{i}",
                 prompt_token_ids=token_ids, params=choice_params,
                 cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs, tenant=tenant,
+                kv_compression=body.kv_compression,
             ))
         responses = None
         if kind == "responses":
