@@ -272,8 +272,8 @@ def _include_usage(obj: dict[str, Any], stream: bool) -> bool:
 
 
 def _kv_compression(value: object) -> str | None:
-    if value is None or value in KV_COMPRESSIONS:
-        return value  # type: ignore[return-value]
+    if value is None or (isinstance(value, str) and value in KV_COMPRESSIONS):
+        return value
     raise invalid_param(f"'kv_compression' must be one of {list(KV_COMPRESSIONS)}, got {value!r}.",
                         "kv_compression")
 
