@@ -77,6 +77,9 @@ class EngineRequest:
         self.packed: PackedKV | None = None
         """Its packed K/V once compressed (:mod:`engine.model.packed_kv`), else None."""
         self.packed_reservation: int | None = None
+        self.capture_tail = 0
+        """Tokens its last prefill chunk computes at least (a compressed request's window:
+        the scheduler shortens the chunk before it and its prefix-cache hit to leave them)."""
 
     @property
     def num_uncomputed_tokens(self) -> int:

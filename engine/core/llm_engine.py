@@ -329,6 +329,8 @@ class LLMEngine:
             fallback_seed=self._next_seed(),
         )
         req.compress = mode == "pyramid"
+        if req.compress:
+            req.capture_tail = self.pyramid.window
         return req
 
     def _validate_images(self, request: GenerationRequest) -> None:

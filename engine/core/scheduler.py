@@ -129,6 +129,16 @@ def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None,
     return shares
 
 
+def _last_chunk_guard(req: EngineRequest, n: int, computed: int | None = None) -> int:
+    """``n`` tokens, or fewer so that the request's last prefill chunk keeps at least
+    ``req.capture_tail`` tokens (a compressed request selects its KV from the attention
+    of its last tokens, computed together in that chunk)."""
+    left = req.kv.num_tokens - (req.num_computed_tokens if computed is None else computed)
+    if 0 < left - n < req.capture_tail < left:
+        return left - req.capture_tail
+    return n
+
+
 class Scheduler:
     """Continuous batching under a token budget and a block budget, fair between tenants."""
 
@@ -236,7 +246,7 @@ class Scheduler:
         for req in queue:
             if used >= allowance or step.budget <= 0:
                 break
-            n = min(req.num_uncomputed_tokens, allowance - used, step.budget)
+            n = _last_chunk_guard(req, min(req.num_uncomputed_tokens, allowance - used, step.budget))
             if req in self.running:
                 if self._run(req, n, step):
                     used += n
@@ -267,9 +277,11 @@ class Scheduler:
         hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
         if req.prompt_logprobs is not None:  # reused K/V have no logits to score the prompt with
             hits, num_cached = [], 0
+        while hits and req.kv.num_tokens - num_cached < req.capture_tail:  # its last tokens are computed
+            hits, num_cached = hits[:-1], num_cached - self.block_size
         if self._next_block_in_progress(req, num_cached):
             return None
-        n = min(req.kv.num_tokens - num_cached, most)
+        n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most), num_cached)
         if kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
             return None
         self.waiting.remove(req)

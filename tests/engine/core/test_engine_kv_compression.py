@@ -135,7 +135,7 @@ def test_salts_stay_apart_and_a_compressed_prefill_reuses_its_own_salt(make_engi
     other = run(engine, prompt, salt="tenant-b")
     same = run(engine, prompt, salt="tenant-a")
     assert other[-1].num_cached_tokens == 0
-    assert same[-1].num_cached_tokens == (320 - 1) // BS * BS
+    assert same[-1].num_cached_tokens == (320 - 32) // BS * BS  # its last window is computed
     assert engine.num_compressed == 2
 
 
@@ -172,3 +172,23 @@ def test_short_prompts_and_bad_modes(make_engine):
         engine.submit(GenerationRequest("bad", prompt_of(4), SamplingParams(), kv_compression="zip"))
     with pytest.raises(ValueError, match="kv_compression"):
         EngineConfig(kv_compression="zip")
+
+
+def test_the_last_chunk_keeps_the_window_whatever_the_chunking_and_hits(make_engine):
+    engine = make_engine(started=False, kv_window=32, max_num_batched_tokens=128)
+    prompt = prompt_of(256 + 5, offset=3)  # 128-token chunks would end with a 5-token chunk
+    chunks = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        work = schedule()
+        chunks.extend((s.request.request_id, s.start, s.num_new_tokens) for s in work.scheduled)
+        return work
+
+    engine.scheduler.schedule = recording
+    held = drive(engine, [GenerationRequest("cold", prompt, SamplingParams(max_tokens=2, temperature=0.0))])
+    assert [c for c in chunks if c[0] == "cold"][:3] == [("cold", 0, 128), ("cold", 128, 101), ("cold", 229, 32)]
+    again = drive(engine, [GenerationRequest("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0))])
+    hit = (261 - 32) // BS * BS  # the hit stops short of the last window
+    assert [c for c in chunks if c[0] == "warm"][0] == ("warm", hit, 261 - hit)
+    assert "cold" in held and "warm" in again  # both compressed
