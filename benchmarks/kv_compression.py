@@ -134,8 +134,8 @@ def nll(outputs: list[Any]) -> list[float]:
     return [-e.logprob for o in outputs for e in (o.logprobs or [])]
 
 
-def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], n: int,
-               window: int, num_docs: int) -> dict[str, Any]:
+def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], pools: list[int],
+               n: int, window: int, num_docs: int) -> dict[str, Any]:
     chosen = dict(list((name, ids) for name, ids in docs.items() if len(ids) >= CONTEXT + n)[:num_docs])
     prompts = {name: ids[:CONTEXT] for name, ids in chosen.items()}
     targets = {name: ids[CONTEXT : CONTEXT + n] for name, ids in chosen.items()}
@@ -160,11 +160,12 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     exact = forced("none")
     rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
     for r in retentions:
-        schedule = PyramidSchedule(r, window)
-        engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
-        kept = sum(schedule.keep_counts(CONTEXT, engine.layout.num_layers)) / (CONTEXT * engine.layout.num_layers)
-        rows.append({"setting": f"pyramid min {r:g}", "min_retention": r, "kept_share": kept,
-                     "ppl": ppl(forced("pyramid"))})
+        for pool in pools:
+            schedule = PyramidSchedule(r, window, pool=pool)
+            engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
+            kept = sum(schedule.keep_counts(CONTEXT, engine.layout.num_layers)) / (CONTEXT * engine.layout.num_layers)
+            rows.append({"setting": f"pyramid min {r:g} pool {pool}", "min_retention": r, "pool": pool,
+                         "kept_share": kept, "ppl": ppl(forced("pyramid"))})
     base = rows[1]["ppl"]
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / base
@@ -234,8 +235,8 @@ def main() -> int:
         if "a" not in args.skip:
             result["kv_held"] = kv_held(engine, docs, args.sizes, args.computed_sizes)
         if "b" not in args.skip:
-            result["perplexity"] = perplexity(engine, docs, args.retentions, args.continuation, args.window,
-                                              args.docs)
+            result["perplexity"] = perplexity(engine, docs, args.retentions, args.pools, args.continuation,
+                                              args.window, args.docs)
     finally:
         engine.shutdown()
     if "c" not in args.skip:

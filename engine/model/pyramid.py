@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_kv import PackedKV
@@ -41,6 +42,8 @@ class PyramidSchedule:
     min_retention: float = DEFAULT_MIN_RETENTION
     window: int = DEFAULT_WINDOW
     min_tokens: int = DEFAULT_MIN_TOKENS
+    pool: int = 1
+    """Odd width of the moving average applied to the scores before picking (1: none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_retention, int | float) or not 0 < self.min_retention <= 1:
@@ -95,6 +98,9 @@ def select(capture: AttentionCapture, schedule: PyramidSchedule, num_tokens: int
         if scores is None:
             raise ValueError(f"no attention captured for layer {layer}")
         scores = scores[:num_tokens].clone()
+        if schedule.pool > 1:  # SnapKV's pooling: keep a chosen token's neighbours too
+            scores = F.avg_pool1d(scores[None, None], schedule.pool, stride=1, padding=schedule.pool // 2,
+                                  count_include_pad=False)[0, 0, :num_tokens]
         scores[recent_from:] = float("inf")
         chosen = torch.topk(scores, count).indices
         keep.append(torch.sort(chosen).values)

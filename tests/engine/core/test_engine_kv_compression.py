@@ -192,3 +192,24 @@ def test_the_last_chunk_keeps_the_window_whatever_the_chunking_and_hits(make_eng
     hit = (261 - 32) // BS * BS  # the hit stops short of the last window
     assert [c for c in chunks if c[0] == "warm"][0] == ("warm", hit, 261 - hit)
     assert "cold" in held and "warm" in again  # both compressed
+
+
+def test_selection_keeps_the_window_and_the_most_attended_tokens():
+    from engine.model.pyramid import AttentionCapture, PyramidSchedule, select
+
+    schedule = PyramidSchedule(min_retention=0.25, window=4)
+    capture = AttentionCapture(window=4)
+    n = 40
+    for layer in range(3):
+        probs = torch.zeros((1, 1, 4, n))
+        probs[..., [3, 17, 20]] = torch.tensor([0.5, 0.3, 0.2])
+        capture.add(layer, probs, first_row=0, num_rows=4)
+    keep = select(capture, schedule, n, 3)
+    assert [k.numel() for k in keep] == schedule.keep_counts(n, 3) == [40, 18, 10]  # 1.0, 0.4375, 0.25
+    deepest = keep[2].tolist()
+    assert {3, 17, 20} <= set(deepest) and set(range(36, 40)) <= set(deepest)
+    assert deepest == sorted(deepest)
+    pooled = select(capture, PyramidSchedule(0.25, 4, pool=3), n, 3)[2].tolist()
+    assert {2, 3, 4, 16, 17, 18} <= set(pooled)  # neighbours of the most attended come along
+    with pytest.raises(ValueError, match="min_retention"):
+        PyramidSchedule(min_retention=0.0)
