@@ -209,15 +209,17 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--retentions", type=float, nargs="+", default=[0.5, 0.3, 0.2, 0.1])
+    parser.add_argument("--retentions", type=float, nargs="+", default=[0.3, 0.2, 0.1])
+    parser.add_argument("--pools", type=int, nargs="+", default=[1, 7],
+                        help="score pooling widths swept in (b) (PyramidSchedule.pool)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048],
                         help="prompt sizes whose compressed blocks are measured (a request each)")
     parser.add_argument("--computed-sizes", type=int, nargs="*", default=[2048, 4096, 8000],
                         help="prompt sizes whose blocks are computed from the schedule (the counts per "
                         "layer do not depend on which tokens are picked)")
     parser.add_argument("--docs", type=int, default=3, help="documents scored in (b)")
-    parser.add_argument("--continuation", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--continuation", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--throughput-retention", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=None)

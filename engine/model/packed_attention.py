@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.packed_kv import PackedKV
 
@@ -32,7 +33,8 @@ class _LayerTables:
 
 
 class PackedDecodes:
-    """The single-token compressed sequences of one forward."""
+    """The single-token compressed sequences of one forward; their tables are built for
+    all layers at once (a few tensor ops per layer, whatever the batch)."""
 
     def __init__(self, rows: Sequence[int], packed: Sequence[PackedKV]) -> None:
         """Sequence ``i`` sits at batch row ``rows[i]``; its pages must hold room for the
@@ -41,18 +43,23 @@ class PackedDecodes:
         self.packed = list(packed)
         storage = self.packed[0].storage
         self.storage = storage
-        bs = storage.layout.block_size
+        lay = storage.layout
+        bs, stride = lay.block_size, storage.num_blocks + 1
+        cap = max(p.table.shape[1] for p in self.packed)
+        tables = torch.stack([F.pad(p.table, (0, cap - p.table.shape[1]), value=storage.pad_block)
+                              for p in self.packed])  # [n, layers, cap] global page ids
+        counts = torch.tensor([p.counts for p in self.packed], dtype=torch.long)  # [n, layers]
+        pages_used = [max(len(p.pages[layer]) for p in self.packed) for layer in range(lay.num_layers)]
+        new_page = tables.gather(2, (counts // bs)[..., None])[..., 0]  # [n, layers]
+        where, slot = new_page // stride, (new_page % stride) * bs + counts % bs
+        base = (tables // stride) * (lay.kv_heads * stride) + tables % stride
+        heads = torch.arange(lay.kv_heads, dtype=torch.long)[:, None, None] * stride
         self.layers: list[_LayerTables] = []
-        for layer in range(storage.layout.num_layers):
-            counts = torch.tensor([p.counts[layer] for p in self.packed], dtype=torch.long)
-            pages = max(len(p.pages[layer]) for p in self.packed)
-            rows_per_seq = [p.rows(layer, pages).view(-1, pages) for p in self.packed]
-            kv_rows = torch.stack(rows_per_seq, dim=1).reshape(-1)
-            hidden = torch.arange(pages * bs)[None, :] > counts[:, None]
-            where, slot = zip(*(p.slots(layer, p.counts[layer], 1) for p in self.packed), strict=True)
-            self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :], torch.cat(where),
-                                            torch.cat(slot)))
-
+        for layer, pages in enumerate(pages_used):
+            kv_rows = (heads + base[None, :, layer, :pages]).reshape(-1)
+            hidden = torch.arange(pages * bs)[None, :] > counts[:, layer, None]
+            self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :], where[:, layer],
+                                            slot[:, layer]))
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
         """Write these rows' new K/V into their packed slots of ``layer``, then attend

@@ -45,7 +45,8 @@ class PackedKV:
         self.pages: list[list[int]] = [[] for _ in counts]
         self.spare: list[int] = []
         self.blocks: list[int] = []
-        self._bases: list[torch.Tensor | None] = [None] * self.num_layers
+        self.table = torch.full((self.num_layers, 0), storage.pad_block, dtype=torch.long)
+        """``pages`` as a tensor ``[layers, capacity]``, padded with the pad block's page."""
 
     @staticmethod
     def blocks_for(counts: Sequence[int], block_size: int) -> int:
@@ -73,19 +74,30 @@ class PackedKV:
         """Give every layer the spare pages it needs for ``new_tokens`` more tokens
         (:meth:`blocks_needed` must be 0)."""
         bs = self.block_size
+        added: list[tuple[int, int, int]] = []
         for layer, (count, pages) in enumerate(zip(self.counts, self.pages, strict=True)):
             while len(pages) * bs < count + new_tokens:
                 if not self.spare:
                     raise ValueError("no spare page: add blocks first")
                 pages.append(self.spare.pop())
-                self._bases[layer] = None
+                added.append((layer, len(pages) - 1, pages[-1]))
+        if not added:
+            return
+        need = max(len(p) for p in self.pages)
+        if need > self.table.shape[1]:
+            grown = torch.full((self.num_layers, max(need, 2 * self.table.shape[1])), self.storage.pad_block,
+                               dtype=torch.long)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        layers, columns, values = zip(*added, strict=True)
+        self.table[list(layers), list(columns)] = torch.tensor(values, dtype=torch.long)
 
     def slots(self, layer: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer ``layer``'s tokens ``first .. first + n - 1`` live: (storage layer
         index, slot within that layer) per token, for :meth:`write`."""
         bs, stride = self.block_size, self.stride
         idx = torch.arange(first, first + n)
-        pages = torch.as_tensor(self.pages[layer], dtype=torch.long)[idx // bs]
+        pages = self.table[layer][idx // bs]
         return pages // stride, (pages % stride) * bs + idx % bs
 
     def write(self, layer: int, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -96,18 +108,3 @@ class PackedKV:
         shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
         self.storage.all_keys.view(shape)[where, :, slot] = keys
         self.storage.all_values.view(shape)[where, :, slot] = values
-
-    def rows(self, layer: int, num_pages: int) -> torch.Tensor:
-        """Layer ``layer``'s first ``num_pages`` pages (padded with the pad block's page)
-        as rows of ``all_keys.view(-1, block_size, head_dim)``, head-major ``[kv_heads *
-        num_pages]``."""
-        base = self._bases[layer]
-        if base is None:
-            g = torch.as_tensor(self.pages[layer], dtype=torch.long)
-            base = (g // self.stride) * (self.storage.layout.kv_heads * self.stride) + g % self.stride
-            self._bases[layer] = base
-        pad = num_pages - base.numel()
-        if pad > 0:
-            base = torch.cat([base, torch.full((pad,), self.storage.pad_block, dtype=torch.long)])
-        heads = torch.arange(self.storage.layout.kv_heads, dtype=torch.long)[:, None] * self.stride
-        return (heads + base[None, :num_pages]).reshape(-1)
