@@ -190,7 +190,7 @@ def test_the_last_chunk_keeps_the_window_whatever_the_chunking_and_hits(make_eng
     assert [c for c in chunks if c[0] == "cold"][:3] == [("cold", 0, 128), ("cold", 128, 101), ("cold", 229, 32)]
     again = drive(engine, [GenerationRequest("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0))])
     hit = (261 - 32) // BS * BS  # the hit stops short of the last window
-    assert [c for c in chunks if c[0] == "warm"][0] == ("warm", hit, 261 - hit)
+    assert next(c for c in chunks if c[0] == "warm") == ("warm", hit, 261 - hit)
     assert "cold" in held and "warm" in again  # both compressed
 
 
