@@ -22,6 +22,7 @@ from engine.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DTYPES,
+    KV_COMPRESSIONS,
     WEIGHTS,
 )
 from engine.contract.images import (
@@ -53,6 +54,9 @@ GGUF file into $PREFIXGATE_HOME, default ~/.cache/prefixgate). No model hub is u
 Keep KV blocks on disk too, so a restarted engine starts warm and a working set
 larger than --kv-cache-memory is loaded instead of recomputed:
   prefixgate engine --kv-offload-dir ~/.cache/prefixgate/kv --kv-offload-size 20
+Keep fewer tokens' KV in deeper layers after each prefill (PyramidInfer-style, opt-in;
+a request may still send "kv_compression": "none"):
+  prefixgate engine --kv-compression pyramid --kv-min-retention 0.2
 A vision-language checkpoint (LLaVA, Idefics3/SmolVLM) accepts image_url parts:
   prefixgate engine --model ./my-llava --encoder-cache-memory 0.5
 With PREFIXGATE_ENGINE_API_KEY set (or --api-key), clients must send
@@ -100,6 +104,16 @@ def add_parser(subparsers: Any) -> None:
                         help="projections: dense (the checkpoint in --dtype) or q4_1 (opt-in: the GGUF's "
                         "4-bit blocks as shipped, faster decoding, other numbers; a Llama GGUF in "
                         "bfloat16) (default: dense)")
+    parser.add_argument("--kv-compression", choices=KV_COMPRESSIONS, default="none",
+                        help="requests' default KV after prefill: none (exact) or pyramid (each layer "
+                        "keeps the tokens the prompt's last tokens attend to, fewer in deeper layers; "
+                        "a request's \"kv_compression\" overrides it) (default: none)")
+    parser.add_argument("--kv-min-retention", type=_positive_float, default=0.2, metavar="SHARE",
+                        help="pyramid: share of the tokens the deepest layer keeps, in (0, 1]; layer 0 "
+                        "keeps all (default: 0.2)")
+    parser.add_argument("--kv-window", type=_positive_int, default=32, metavar="TOKENS",
+                        help="pyramid: most recent tokens every layer keeps, whose attention picks the "
+                        "rest (default: 32)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
@@ -167,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             encoder_cache_memory_gib=args.encoder_cache_memory, num_threads=args.threads,
             kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
-            weights=args.weights,
+            weights=args.weights, kv_compression=args.kv_compression,
+            kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
         )
         _check_model(args.model)
         events_config = None

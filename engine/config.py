@@ -14,6 +14,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25
 DEFAULT_KV_OFFLOAD_SIZE_GIB = 10.0
+KV_COMPRESSIONS = ("none", "pyramid")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class EngineConfig:
     ``weights="q4_1"`` (opt-in, a Llama GGUF in bfloat16) multiplies the projections
     with the file's Q4_1 blocks (:class:`~engine.model.linear.Int4Linear`) instead of
     the dense checkpoint: faster decoding, other numbers than ``"dense"``.
+    ``kv_compression="pyramid"`` (opt-in; a request may choose either way) keeps a
+    share of each layer's KV after prefill, falling with depth to
+    ``kv_min_retention``, plus the last ``kv_window`` tokens (:mod:`engine.model.pyramid`).
     """
 
     model: str | None = None
@@ -49,10 +53,19 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_size_gib: float = DEFAULT_KV_OFFLOAD_SIZE_GIB
     weights: str = "dense"
+    kv_compression: str = "none"
+    kv_min_retention: float = 0.2
+    kv_window: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ValueError(f"kv_compression must be one of {KV_COMPRESSIONS}, got {self.kv_compression!r}")
+        if not isinstance(self.kv_min_retention, int | float) or not 0 < self.kv_min_retention <= 1:
+            raise ValueError(f"kv_min_retention must be in (0, 1], got {self.kv_min_retention!r}")
+        if not isinstance(self.kv_window, int) or isinstance(self.kv_window, bool) or self.kv_window < 1:
+            raise ValueError(f"kv_window must be a positive int, got {self.kv_window!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:

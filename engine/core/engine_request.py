@@ -32,8 +32,10 @@ from typing import Any
 from engine.core.assembly import Assembly, assembly_key
 from engine.core.detokenizer import Detokenizer
 from engine.core.output_stream import GenerationRequest, OutputStream
+from engine.core.prompt_logprobs import PromptLogprobs
 from engine.core.sampler import make_generator
 from engine.kvcache.request import Request
+from engine.model.packed_kv import PackedKV
 
 
 class EngineRequest:
@@ -73,6 +75,19 @@ class EngineRequest:
         self.stream: OutputStream | None = None
         self.arrival_time = time.monotonic()
         self.num_preemptions = 0
+        top = request.params.prompt_logprobs
+        self.prompt_logprobs: PromptLogprobs | None = (
+            None if top is None else PromptLogprobs(request.prompt_token_ids, top)
+        )
+        """Filled while the prompt is computed; handed out (and set to None) with the first token."""
+        self.compress = False
+        """Compress this request's KV after its prefill (resolved by the engine)."""
+        self.packed: PackedKV | None = None
+        """Its packed K/V once compressed (:mod:`engine.model.packed_kv`), else None."""
+        self.packed_reservation: int | None = None
+        self.capture_tail = 0
+        """Tokens its last prefill chunk computes at least (a compressed request's window:
+        the scheduler shortens the chunk before it and its prefix-cache hit to leave them)."""
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -47,3 +47,9 @@ class EngineStats:
     module_blocks: int = 0
     module_tokens_reused: int = 0
     module_tokens_encoded: int = 0
+    kv_compressed: int = 0
+    """Requests whose KV was compressed after prefill (a preempted one counts again)."""
+    kv_compressed_tokens: int = 0
+    """Tokens those requests had when compressed (summed over compressions)."""
+    kv_retained_tokens: float = 0.0
+    """Tokens they kept, averaged over layers (summed over compressions)."""

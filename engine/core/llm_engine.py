@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import KV_COMPRESSIONS, EngineConfig
 from engine.core.detokenizer import eos_token_ids
 from engine.core.engine_request import EngineRequest
 from engine.core.engine_stats import EngineStats
@@ -54,6 +54,8 @@ from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_shift import KVShifter
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
 from engine.model.llama import language_parts
+from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import AttentionCapture, PyramidSchedule, compact, select
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -139,6 +141,11 @@ class LLMEngine:
             self.offload = KVOffload(self.storage, config.kv_offload_dir, config.kv_offload_size_gib,
                                      model_fingerprint(model), event_sink=lambda: pool.event_sink)
             self.scheduler.block_loader = self.offload
+        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window)
+        self.num_compressed = 0
+        self.compressed_tokens = 0
+        self.retained_tokens = 0.0
+        """Summed over compressions: the tokens requests had, and kept (averaged over layers)."""
         self.ttft_observers: list[Callable[[float], None]] = []
         self.first_logits_observer: Callable[[str, torch.Tensor], None] | None = None
         self._rng = random.Random(config.seed)
@@ -277,6 +284,9 @@ class LLMEngine:
             module_blocks=self.scheduler.modules.num_module_blocks,
             module_tokens_reused=self.scheduler.modules.module_tokens_reused,
             module_tokens_encoded=self.scheduler.modules.module_tokens_encoded,
+            kv_compressed=self.num_compressed,
+            kv_compressed_tokens=self.compressed_tokens,
+            kv_retained_tokens=self.retained_tokens,
             **self._encoder_cache_stats(),
             **self._disk_stats(),
         )
@@ -317,7 +327,16 @@ class LLMEngine:
             self._validate_images(request)
         if not isinstance(request.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(request.params).__name__}")
-        return EngineRequest(
+        mode = request.kv_compression or self.config.kv_compression
+        if mode not in KV_COMPRESSIONS:
+            raise ValueError(f"kv_compression must be one of {KV_COMPRESSIONS}, got {request.kv_compression!r}")
+        if request.segmented is not None:  # assembled KV is computed in runs, not one exact prefill
+            if request.kv_compression == "pyramid":
+                raise ValueError("kv_compression 'pyramid' cannot be combined with prompt modules or segment_reuse")
+            if request.params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with prompt modules or segment_reuse")
+            mode = "none"
+        req = EngineRequest(
             request,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
@@ -325,6 +344,10 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             fallback_seed=self._next_seed(),
         )
+        req.compress = mode == "pyramid"
+        if req.compress:
+            req.capture_tail = self.pyramid.window
+        return req
 
     def _validate_images(self, request: GenerationRequest) -> None:
         """Every image item has its pixels, and the image token appears exactly at the
@@ -390,19 +413,27 @@ class LLMEngine:
         if not work.scheduled and not work.encodes:
             return
         kvm = self.kv_cache_manager
+        captures = [self._capture(s.request, s.start, s.end) for s in work.scheduled]
         try:
             inputs = [
                 SequenceInput(
                     token_ids=s.request.kv.all_token_ids[s.start : s.end],
                     start=s.start,
-                    block_ids=kvm.get_block_ids(s.request.request_id),
+                    block_ids=kvm.get_block_ids(s.request.request_id) if s.request.packed is None else [],
                     sample=s.samples,
                     embeds=self._embeds(s.request, s.start, s.end),
+                    prompt_rows=self._prompt_rows(s.request, s.start, s.end),
+                    capture=capture,
+                    packed=s.request.packed,
                 )
-                for s in work.scheduled
+                for s, capture in zip(work.scheduled, captures, strict=True)
             ]
             modules = [SequenceInput(e.token_ids, e.start, e.block_ids, sample=False) for e in work.encodes]
             logits = self.runner.execute([*inputs, *modules])
+            # one entry per input, the module encodes' after the scheduled sequences'
+            for s, prompt_logits in zip(work.scheduled, self.runner.prompt_logits[: len(inputs)], strict=True):
+                if prompt_logits is not None and s.request.prompt_logprobs is not None:
+                    s.request.prompt_logprobs.add(s.start, prompt_logits)
         except Exception as exc:
             logger.exception("forward over %d requests failed", len(work.scheduled))
             self.scheduler.forget_unwritten(work)
@@ -418,6 +449,32 @@ class LLMEngine:
                 row += 1
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies
             self._offload(work, inputs)
+        for s, capture in zip(work.scheduled, captures, strict=True):
+            if capture is not None and s.request in self.scheduler.running:
+                self._compress(s.request, capture)
+
+    def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
+        """An attention capture for the chunk that ends a compressed request's prefill."""
+        if not req.compress or req.packed is not None or end != req.kv.num_tokens or end - start < 2:
+            return None
+        return AttentionCapture(self.pyramid.window) if end >= self.pyramid.min_tokens else None
+
+    def _compress(self, req: EngineRequest, capture: AttentionCapture) -> None:
+        """Keep each layer's selected tokens in packed pages and give the exact blocks
+        back (between steps; the request stays exact when the pool cannot hold both)."""
+        n = req.num_computed_tokens
+        keep = select(capture, self.pyramid, n, self.layout.num_layers)
+        packed = PackedKV(self.storage, [k.numel() for k in keep])
+        future = req.params.max_tokens - len(req.kv.output_token_ids)
+        try:
+            done = self.scheduler.compress(req, packed, lambda old: compact(self.storage, old, keep, packed), future)
+        except Exception:  # an optimisation: the request goes on exact
+            logger.exception("KV compression of %s failed", req.request_id)
+            return
+        if done:
+            self.num_compressed += 1
+            self.compressed_tokens += n
+            self.retained_tokens += packed.num_tokens / self.layout.num_layers
 
     def _offload(self, work: SchedulerOutput, inputs: list[SequenceInput]) -> None:
         """Hand the blocks this forward filled to the disk tier. Their K/V are in place
@@ -425,9 +482,14 @@ class LLMEngine:
         assert self.offload is not None
         try:
             self.offload.save([(s.request.kv, s.start, s.end, x.block_ids)
-                               for s, x in zip(work.scheduled, inputs, strict=True)])
+                               for s, x in zip(work.scheduled, inputs, strict=True) if x.packed is None])
         except Exception:  # the disk tier is an optimisation: never fail requests for it
             logger.exception("KV offload: saving blocks failed")
+
+    @staticmethod
+    def _prompt_rows(req: EngineRequest, start: int, end: int) -> int:
+        """Rows of the chunk ``[start, end)`` whose logits score prompt tokens (0 unless asked)."""
+        return 0 if req.prompt_logprobs is None else req.prompt_logprobs.rows_for(start, end)
 
     def _embeds(self, req: EngineRequest, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Image features for the chunk ``[start, end)`` of ``req`` (none past its prompt)."""
@@ -437,6 +499,9 @@ class LLMEngine:
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
         first = not req.kv.output_token_ids
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs.entries, None
         try:
             if first and self.first_logits_observer is not None:
                 self.first_logits_observer(req.request_id, logits)
@@ -456,7 +521,8 @@ class LLMEngine:
         finished = reason is not None
         if finished:
             self._release(req)
-        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs)
+        self._emit(req, [token], req.detokenizer.take_new_text(finished), reason, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs)
 
     def _abort_now(self, request_id: str) -> None:
         req = self.scheduler.remove(request_id)
@@ -471,7 +537,7 @@ class LLMEngine:
 
     def _emit(
         self, req: EngineRequest, tokens: list[int], text: str, reason: str | None, error: str | None = None,
-        logprobs: list[TokenLogprobs] | None = None,
+        logprobs: list[TokenLogprobs] | None = None, prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> None:
         output = StepOutput(
             new_token_ids=tokens,
@@ -482,6 +548,7 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             error=error,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         assert req.stream is not None
         if not req.stream.put(output) and reason is None:

@@ -34,7 +34,8 @@ class GenerationRequest:
     prompt cut into segments whose KV may be assembled from prompt modules
     (:mod:`engine.promptcache.segments`, :mod:`engine.core.module_assembler`); its
     tokens must be ``prompt_token_ids`` (ValueError otherwise). None: computed
-    exactly, as always."""
+    exactly, as always. ``kv_compression``:
+    ``"pyramid"`` or ``"none"`` for this request, None for the engine's default."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +45,7 @@ class GenerationRequest:
     mm_inputs: tuple[Any, ...] = ()
     tenant: str | None = None
     segmented: SegmentedPrompt | None = None
+    kv_compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.segmented is not None and self.segmented.token_ids != list(self.prompt_token_ids):
@@ -55,11 +57,13 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One sampled token's log-probability and the ``top`` most likely (id, logprob), best first."""
+    """One token's log-probability and the ``top`` most likely (id, logprob), best first;
+    ``rank`` (prompt tokens only, else None): 1 + how many tokens were more likely."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -74,6 +78,9 @@ class StepOutput:
     num_cached_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With the first token of a request whose params set ``prompt_logprobs``: one per
+    prompt token, None for the first (nothing precedes it)."""
 
 
 class OutputStream:

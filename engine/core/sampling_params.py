@@ -20,7 +20,9 @@ class SamplingParams:
     top_k and seed are then irrelevant).
     A set ``seed`` makes the request's sampled tokens reproducible whatever else
     the engine runs at the same time. ``logprobs`` (None: none) asks for the
-    sampled token's log-probability and that many most likely alternatives.
+    sampled token's log-probability and that many most likely alternatives;
+    ``prompt_logprobs`` the same for every prompt token after the first (such a
+    request computes its whole prompt: it takes no prefix-cache hit).
     ``constraint`` is this request's own grammar state
     (:class:`engine.structured.grammar.GrammarConstraint`, one per sequence, never
     shared): the sampler masks with it and advances it.
@@ -35,6 +37,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
+
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
 
     @property

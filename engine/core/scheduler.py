@@ -61,12 +61,16 @@ Invariants:
 * between steps a running request holds slots for exactly its
   ``num_computed_tokens`` (a waiting one holds no block), except a segmented
   request still assembling, which holds slots for all its tokens;
-* the tenants remembered for ordering are those with work (bounded by the requests).
+* the tenants remembered for ordering are those with work (bounded by the requests);
+* a compressed request (``req.packed``) is exact until its prefill ends; then
+  :meth:`Scheduler.compress` swaps its blocks for packed ones and its reservation
+  for the packed one; preempted, it is exact again (recomputed, then compressed).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -74,6 +78,7 @@ from engine.core.engine_request import EngineRequest
 from engine.core.module_assembler import ModuleAssembler
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
 from engine.model.kv_shift import KVCopy
+from engine.model.packed_kv import PackedKV
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
@@ -149,6 +154,16 @@ def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None,
     return shares
 
 
+def _last_chunk_guard(req: EngineRequest, n: int, computed: int | None = None) -> int:
+    """``n`` tokens, or fewer so that the request's last prefill chunk keeps at least
+    ``req.capture_tail`` tokens (a compressed request selects its KV from the attention
+    of its last tokens, computed together in that chunk)."""
+    left = req.kv.num_tokens - (req.num_computed_tokens if computed is None else computed)
+    if 0 < left - n < req.capture_tail < left:
+        return left - req.capture_tail
+    return n
+
+
 class Scheduler:
     """Continuous batching under a token budget and a block budget, fair between tenants."""
 
@@ -185,7 +200,10 @@ class Scheduler:
         self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
 
     def reservation(self, req: EngineRequest) -> int:
-        """Blocks set aside for a request at admission."""
+        """Blocks set aside for a request at admission (a compressed one's, once packed:
+        its packed blocks plus one block per ``block_size`` output tokens to come)."""
+        if req.packed_reservation is not None:
+            return req.packed_reservation
         prompt = req.num_prompt_tokens
         tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
         return -(-tokens // self.block_size)
@@ -255,7 +273,7 @@ class Scheduler:
         for req in queue:
             if used >= allowance or step.budget <= 0:
                 break
-            n = min(req.num_uncomputed_tokens, allowance - used, step.budget)
+            n = _last_chunk_guard(req, min(req.num_uncomputed_tokens, allowance - used, step.budget))
             if req in self.running:
                 if self._run(req, n, step):
                     used += n
@@ -286,9 +304,13 @@ class Scheduler:
         kvm = self.kv_cache_manager
         self._load_from_lower_tier(req)
         hits, num_cached = kvm.get_computed_blocks(req.kv, count=False)
+        if req.prompt_logprobs is not None:  # reused K/V have no logits to score the prompt with
+            hits, num_cached = [], 0
+        while hits and req.kv.num_tokens - num_cached < req.capture_tail:  # its last tokens are computed
+            hits, num_cached = hits[:-1], num_cached - self.block_size
         if self._next_block_in_progress(req, num_cached):
             return None
-        n = min(req.kv.num_tokens - num_cached, most)
+        n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most), num_cached)
         assembled = self._assembles(req)
         if assembled:
             if not self.modules.admit(req, hits, num_cached):
@@ -356,12 +378,50 @@ class Scheduler:
         """Reserve ``n`` more slots for a running request, preempting the newest running
         request not scheduled in this step while no block is free. False when ``req``
         itself was preempted."""
-        while self.kv_cache_manager.allocate_slots(req.kv, n) is None:
+        while not self._reserve(req, n):
             victim = next(r for r in reversed(self.running) if r is req or r not in step.requests)
             self._preempt(victim)
             step.out.preempted.append(victim)
             if victim is req:
                 return False
+        return True
+
+    def _reserve(self, req: EngineRequest, n: int) -> bool:
+        """Room for ``n`` more tokens: slots of an exact request, pages in every layer of
+        a packed one (whole blocks from the pool when its spare pages run out)."""
+        packed = req.packed
+        if packed is None:
+            return self.kv_cache_manager.allocate_slots(req.kv, n) is not None
+        need = packed.blocks_needed(n)
+        if need:
+            ids = self.kv_cache_manager.grow_packed(req.request_id, need)
+            if ids is None:
+                return False
+            packed.add_blocks(ids)
+        packed.fill(n)
+        return True
+
+    def compress(self, req: EngineRequest, packed: PackedKV, copy: Callable[[list[int]], None],
+                 future_tokens: int) -> bool:
+        """Make a running request compressed between steps: ``packed`` (empty tables with
+        its layers' counts) takes fresh blocks, ``copy(old_block_ids)`` writes its kept
+        K/V into them, its exact blocks go back to the pool and its reservation shrinks
+        to the packed blocks plus ``future_tokens`` worth of blocks. False, changing
+        nothing, when the pool cannot hold both tables at once (it stays exact)."""
+        bs = self.block_size
+
+        def fill(old: list[int], new: list[int]) -> None:
+            packed.add_blocks(new)
+            packed.fill()
+            copy(old)
+
+        n = packed.blocks_for(packed.counts, bs)
+        if self.kv_cache_manager.repack(req.request_id, n, fill) is None:
+            return False
+        self.reserved_blocks -= self.reservation(req)
+        req.packed = packed
+        req.packed_reservation = n + -(-min(future_tokens, self.reserve_horizon) // bs) + 1
+        self.reserved_blocks += req.packed_reservation
         return True
 
     def _drop_blocks(self, req: EngineRequest) -> None:
@@ -376,6 +436,7 @@ class Scheduler:
         self._drop_blocks(req)
         self.running.remove(req)
         self.reserved_blocks -= self.reservation(req)
+        req.packed, req.packed_reservation = None, None
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1

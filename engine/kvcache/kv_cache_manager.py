@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,7 +56,10 @@ class KVCacheManager:
     * a request with ``s`` reserved slots holds ``ceil(s / block_size)`` blocks;
     * the first ``num_cached_blocks`` blocks of a table carry the request's block
       hashes, in order, and are in the hash map under them;
-    * the hash map and the blocks' ``block_hash`` fields agree.
+    * the hash map and the blocks' ``block_hash`` fields agree;
+    * a *packed* request (a compressed one, :meth:`repack`) holds blocks that carry no
+      hash and no cached count; the slot rule does not apply to it (it packs its
+      layers' tokens into the blocks' layer pages, :mod:`engine.model.packed_kv`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -69,6 +72,7 @@ class KVCacheManager:
         self.req_to_slots: dict[str, int] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
+        self.packed: set[str] = set()
         self._stats = PrefixCacheStats()
         self.module_holds: dict[str, list[KVCacheBlock]] = {}
 
@@ -193,6 +197,8 @@ class KVCacheManager:
         if known is not None and known is not request:
             raise ValueError(f"another request with id {rid!r} is already running")
         request.bind_block_size(self.block_size)
+        if rid in self.packed:
+            raise ValueError(f"request {rid!r} is packed: it grows with grow_packed()")
         held = self.req_to_blocks.get(rid, [])
         if held and (computed_blocks or num_computed_tokens not in (0, self.req_to_slots[rid])):
             raise ValueError(
@@ -245,6 +251,43 @@ class KVCacheManager:
                                request.all_token_ids[first * bs:end * bs], bs, first, request.cache_salt,
                                request.lora_id, request.mm_items)
 
+    def repack(self, request_id: str, num_blocks: int,
+               copy: Callable[[list[int], list[int]], None]) -> list[int] | None:
+        """Trade a running request's block table for ``num_blocks`` fresh blocks: take
+        them from the pool, ``copy(old_ids, new_ids)`` (it writes the request's packed
+        K/V), then free the old blocks (cached ones stay cached at ref count 0: their
+        contents are exact and untouched). The new blocks are never hashed. Returns the
+        new ids, or None, changing nothing, when too few blocks are free; if ``copy``
+        raises, the new blocks go back and the request keeps its table."""
+        old = self.req_to_blocks.get(request_id)
+        if old is None or request_id in self.packed:
+            raise ValueError(f"request {request_id!r} holds no exact block table")
+        if num_blocks > self.block_pool.num_free_blocks:
+            return None
+        new = self.block_pool.get_new_blocks(num_blocks)
+        new_ids = [b.block_id for b in new]
+        try:
+            copy([b.block_id for b in old], new_ids)
+        except BaseException:
+            self.block_pool.free_blocks(new[::-1])
+            raise
+        self.req_to_blocks[request_id] = new
+        self.num_cached_blocks[request_id] = 0
+        self.packed.add(request_id)
+        self.block_pool.free_blocks(old[::-1])
+        return new_ids
+
+    def grow_packed(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """``num_blocks`` more fresh blocks for a packed request; None, changing nothing,
+        when too few are free."""
+        if request_id not in self.packed:
+            raise ValueError(f"request {request_id!r} is not packed")
+        if num_blocks > self.block_pool.num_free_blocks:
+            return None
+        new = self.block_pool.get_new_blocks(num_blocks)
+        self.req_to_blocks[request_id].extend(new)
+        return [b.block_id for b in new]
+
     def free(self, request: Request | str) -> None:
         """Release the request's blocks; those reaching ref count 0 join the free queue's
         tail in reverse block-table order, so a chain's tail is evicted before its head.
@@ -254,6 +297,7 @@ class KVCacheManager:
         self.req_to_slots.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self._requests.pop(rid, None)
+        self.packed.discard(rid)
         if blocks:
             self.block_pool.free_blocks(blocks[::-1])
 
@@ -349,6 +393,10 @@ class KVCacheManager:
                 fail(f"request {rid!r} holds a block twice: {ids}")
             for b in blocks:
                 refs[b.block_id] += 1
+            if rid in self.packed:
+                if self.num_cached_blocks[rid] or any(b.block_hash is not None for b in blocks):
+                    fail(f"packed request {rid!r} holds a hashed block")
+                continue
             expected = -(-self.req_to_slots[rid] // self.block_size)
             if len(blocks) != expected:
                 fail(f"request {rid!r} holds {len(blocks)} blocks for {self.req_to_slots[rid]} slots")
@@ -379,6 +427,8 @@ class KVCacheManager:
                     fail(f"{block} has a hash missing from the hash map")
                 if not self.enable_caching:
                     fail(f"{block} has a hash with caching disabled")
+        if not self.packed <= set(self.req_to_blocks):
+            fail(f"packed requests {self.packed - set(self.req_to_blocks)} hold no blocks")
         for h, same in pool.cached.items():
             if not same:
                 fail("empty entry in the hash map")

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 
 from engine.model.kv_storage import KVStorage
+from engine.model.packed_attention import PackedDecodes
+from engine.model.pyramid import AttentionCapture
 
 ATTN_IMPLEMENTATION = "prefixgate_paged_attention"
 KV_PAD = 64
@@ -81,6 +83,9 @@ class SequenceSlice:
     masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """Per query chunk start, the keys its rows must not see (filled by the first
     layer, reused by the others: the mask is by position, the same in every layer)."""
+    capture: AttentionCapture | None = field(default=None, compare=False, repr=False)
+    """When set, each layer adds the attention of this slice's last ``capture.window``
+    tokens over its keys to it (:mod:`engine.model.pyramid`); outputs are unchanged."""
 
     def chunk_mask(self, cs: int, first_hidden: int, seen: int, rows: int) -> torch.Tensor:
         """``[rows, seen - first_hidden]``: key ``first_hidden + j`` is after row ``i``'s position."""
@@ -140,6 +145,9 @@ class AttentionBatch:
     slots: torch.Tensor
     sequences: Sequence[SequenceSlice]
     decode_groups: Sequence[DecodeGroup] = ()
+    packed: PackedDecodes | None = None
+    """Compressed requests' decodes (:mod:`engine.model.packed_attention`); their rows'
+    ``slots`` are the pad slot."""
 
 
 def _pad_rows(q: torch.Tensor) -> torch.Tensor:
@@ -177,6 +185,8 @@ def paged_attention(
         _attend_decodes(layer, query, batch.storage, group, scale, out)
     for seq in batch.sequences:
         _attend_sequence(layer, query, batch.storage, seq, scale, out)
+    if batch.packed is not None:
+        batch.packed.attend(layer, query, key, value, scale, out)
     return out
 
 
@@ -229,6 +239,8 @@ def _attend_sequence(
             tail = scores[:, : group * rows].view(kv_heads, group, rows, seen)[..., first_hidden:]
             tail.masked_fill_(seq.chunk_mask(cs, first_hidden, seen, rows), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
+        if seq.capture is not None:
+            seq.capture.add(layer, probs[:, : group * rows].view(kv_heads, group, rows, seen), cs, seq.num_tokens)
         chunk = _weighted_values(probs, values[:, :seen])[:, : group * rows]
         chunk = chunk.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
         out[seq.row + cs : seq.row + ce] = chunk.reshape(rows, heads * head_dim)

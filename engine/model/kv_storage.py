@@ -1,4 +1,4 @@
-"""KVStorage: the engine's KV cache memory, one key and one value tensor per layer.
+"""KVStorage: the engine's KV cache memory, a key and a value tensor per layer (views of one).
 
 Laid out by block for paged attention: per layer, keys and values are stored as
 ``[kv_heads, num_blocks + 1, block_size, head_dim]``. Token ``p`` of a request lives
@@ -81,8 +81,15 @@ class KVStorage:
         self.pad_block = num_blocks
         h, d, bs = layout.kv_heads, layout.head_dim, layout.block_size
         total = num_blocks + 1
-        self.keys = [torch.zeros((h, total, bs, d), dtype=layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [torch.zeros((h, total, bs, d), dtype=layout.dtype) for _ in range(layout.num_layers)]
+        shape = (layout.num_layers, h, total, bs, d)
+        self.all_keys = torch.zeros(shape, dtype=layout.dtype)
+        self.all_values = torch.zeros(shape, dtype=layout.dtype)
+        """Every layer's keys/values in one tensor, so that a *layer page* (layer ``l``'s
+        part of block ``b``, ``block_size`` tokens of every head) is addressable whatever
+        the layer reading it: a compressed request packs several layers' tokens into the
+        pages of the blocks it holds (:mod:`engine.model.packed_kv`)."""
+        self.keys = list(self.all_keys.unbind(0))  # per layer, contiguous views
+        self.values = list(self.all_values.unbind(0))
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
             num_blocks,

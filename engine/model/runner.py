@@ -42,6 +42,9 @@ from engine.model.attention import (
     padded_length,
 )
 from engine.model.kv_storage import KVStorage
+from engine.model.packed_attention import PackedDecodes
+from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import AttentionCapture
 from engine.model.q4_weights import Q4Matrix
 
 
@@ -54,6 +57,9 @@ class SequenceInput:
     blocks. ``sample``: return logits for its last token. ``embeds``: pairs ``(rows,
     values)``, the input embeddings of some of its tokens (``rows`` index
     ``token_ids``; image features), used instead of the tokens' embeddings.
+    ``prompt_rows``: also return the logits of its first ``prompt_rows`` tokens
+    (:attr:`ModelRunner.prompt_logits`; for prompt log-probabilities). ``capture``:
+    collect its last tokens' attention per layer (:mod:`engine.model.pyramid`).
     """
 
     token_ids: Sequence[int]
@@ -61,6 +67,11 @@ class SequenceInput:
     block_ids: Sequence[int]
     sample: bool
     embeds: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    prompt_rows: int = 0
+    capture: AttentionCapture | None = None
+    packed: PackedKV | None = None
+    """A compressed request's decode (one token; ``block_ids`` unused): attends its packed
+    pages (:mod:`engine.model.packed_attention`), which have room for the token."""
 
 
 class ModelRunner:
@@ -76,6 +87,9 @@ class ModelRunner:
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
         self._linears: linear.TiledLinears | None = None
+        self.prompt_logits: list[torch.Tensor | None] = []
+        """Set by each :meth:`execute`: per sequence, the logits (model dtype, ``[prompt_rows,
+        vocab]``) of its first ``prompt_rows`` tokens, None where it asked for none."""
         if q4_layers is not None and not self.lean:
             raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
@@ -97,6 +111,8 @@ class ModelRunner:
         logit_rows: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
+        packed_rows: list[int] = []
+        packed: list[PackedKV] = []
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
@@ -107,13 +123,22 @@ class ModelRunner:
                 embed_values.append(values)
             ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
+            if seq.packed is not None:
+                if n != 1 or seq.embeds:
+                    raise ValueError("a compressed request computes one token per step")
+                slots.append(storage.pad_slot)
+                packed_rows.append(row)
+                packed.append(seq.packed)
+                if seq.sample:
+                    logit_rows.append(row)
+                continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
             used = -(-end // bs)
             table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
             if n == 1:
                 decodes.setdefault(len(table), []).append((row, seq.start, table))
             else:
-                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table)))
+                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table), capture=seq.capture))
             if seq.sample:
                 logit_rows.append(row + n - 1)
         groups = [
@@ -130,7 +155,9 @@ class ModelRunner:
         logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % multiple))
         if not logit_rows:
             logit_rows = [0] * multiple
-        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups)
+        prompt_at = self._add_prompt_rows(sequences, logit_rows)
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups,
+                               PackedDecodes(packed_rows, packed) if packed else None)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)
@@ -148,4 +175,27 @@ class ModelRunner:
                         logits_to_keep=rows, paged_batch=batch,
                     )
                 logits = out.logits[0]
+            self.prompt_logits = [None if at is None else logits[at[0] : at[1]] for at in prompt_at]
+            if batch.packed is not None:
+                batch.packed.advance()
             return logits[:num_logits].float()
+
+    @staticmethod
+    def _add_prompt_rows(sequences: Sequence[SequenceInput], logit_rows: list[int]) -> list[tuple[int, int] | None]:
+        """Append the rows whose logits sequences asked for beyond their last token to
+        ``logit_rows`` (after the sampled rows, padded to a multiple of ROW_MULTIPLE: the
+        LM head's tiles then keep the sampled rows' bits); each sequence's range of them."""
+        spans: list[tuple[int, int] | None] = []
+        row = 0
+        for seq in sequences:
+            if seq.prompt_rows > len(seq.token_ids):
+                raise ValueError(f"prompt_rows {seq.prompt_rows} exceeds the {len(seq.token_ids)} tokens computed")
+            if seq.prompt_rows:
+                spans.append((len(logit_rows), len(logit_rows) + seq.prompt_rows))
+                logit_rows.extend(range(row, row + seq.prompt_rows))
+            else:
+                spans.append(None)
+            row += len(seq.token_ids)
+        if len(logit_rows) % ROW_MULTIPLE:
+            logit_rows.extend([logit_rows[-1]] * (-len(logit_rows) % ROW_MULTIPLE))
+        return spans

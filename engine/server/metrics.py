@@ -20,6 +20,9 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_time_to_first_token_seconds``: histogram, request arrival to
   the first generated token;
 * ``prefixgate_engine_requests_total{endpoint, outcome}``: finished HTTP requests;
+* ``prefixgate_engine_kv_retained_tokens``: summary, per KV compression (count) the
+  tokens kept averaged over layers (sum), and ``..._kv_compressed_tokens_total``: the
+  tokens those requests had (retained share = sum / compressed tokens);
 * ``prefixgate_engine_encoder_cache_hits_total`` / ``..._misses_total``: image
   feature lookups in the encoder cache (a miss runs the vision tower), and
   ``..._entries`` / ``..._bytes``: what it holds (vision-language models only).
@@ -34,7 +37,8 @@ The same figures under vLLM's names (labels ``model_name`` and ``engine="0"``, a
 vLLM v1 exposes them), so dashboards built for vLLM work unchanged:
 
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: tokens;
-* ``vllm:kv_cache_usage_perc``: fraction of KV blocks held by requests (0 to 1);
+* ``vllm:kv_cache_usage_perc``: fraction of KV blocks held by requests (0 to 1; a
+  compressed request counts the packed blocks it holds);
 * ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``.
 """
 
@@ -101,6 +105,13 @@ class _EngineCollector(Collector):
                            stats.module_tokens_reused, labels)
             yield _counter("module_encoded_tokens", "Prompt-module tokens encoded into module blocks.",
                            stats.module_tokens_encoded, labels)
+        retained = SummaryMetricFamily(
+            f"{PREFIX}_kv_retained_tokens", "Tokens a compressed request keeps after prefill, averaged "
+            "over layers (one observation per compression).", labels=["model_name"])
+        retained.add_metric(labels, getattr(stats, "kv_compressed", 0), getattr(stats, "kv_retained_tokens", 0.0))
+        yield retained
+        yield _counter("kv_compressed_tokens", "Tokens compressed requests had when compressed.",
+                       getattr(stats, "kv_compressed_tokens", 0), labels)
         yield from self._vllm_named(stats)
 
     def _disk(self, stats: Any, labels: list[str]) -> Iterator[Metric]:

@@ -19,7 +19,8 @@ Rules (each enforced in exactly one place below):
   :mod:`engine.server.tool_calls`, ``response_format`` by
   :mod:`engine.server.structured_output`;
 * ``n`` is at most :data:`MAX_N`; chat ``top_logprobs`` needs ``logprobs: true``;
-  completions' ``logprobs`` is the number of alternatives (0 to 20);
+  completions' ``logprobs`` is the number of alternatives (0 to 20), and so is
+  their ``prompt_logprobs`` (vLLM's: per prompt token, its logprob and alternatives);
 * ``top_k`` of ``0`` or ``-1`` means "no limit" (vLLM's spelling) and becomes None;
 * ``max_completion_tokens`` wins over the older ``max_tokens`` when both are set;
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` levels is refused (400
@@ -33,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import KV_COMPRESSIONS
 from engine.contract.errors import context_length_exceeded, invalid_param, unsupported_param
 from engine.contract.limits import MAX_JSON_DEPTH, cache_salt_problem, too_deep_field
 from engine.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -65,6 +67,8 @@ class GenerationBody:
     ignore_eos: bool
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and k alternatives
+    prompt_logprobs: int | None = None  # completions: each prompt token's logprob and k alternatives
+    kv_compression: str | None = None  # "pyramid" | "none"; None: the engine's default
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = NO_TOOLS
@@ -121,6 +125,7 @@ class GenerationBody:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -154,11 +159,13 @@ def parse_completion_body(body: object, vocab_size: int) -> GenerationBody:
     obj = _require_object(body)
     prompt = _parse_prompt(obj.get("prompt"), vocab_size)
     logprobs = _opt_int(obj, "logprobs", 0, MAX_TOP_LOGPROBS)
+    prompt_logprobs = _opt_int(obj, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     _refuse_unless(obj, "echo", (False,), "echo is not supported by this engine.")
     _refuse_unless(obj, "suffix", ("",), "suffix is not supported by this engine.")
     _refuse_unless(obj, "best_of", (1,), "best_of other than 1 is not supported by this engine.")
     max_tokens = _opt_int(obj, "max_tokens", 1, _INT64_MAX)
-    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt, logprobs=logprobs)
+    return _common(obj, "completion", vocab_size, max_tokens, prompt=prompt, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs)
 
 
 def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | None,
@@ -194,6 +201,7 @@ def _common(obj: dict[str, Any], kind: str, vocab_size: int, max_tokens: int | N
         stop=_stop(obj.get("stop")),
         stop_token_ids=_stop_token_ids(obj.get("stop_token_ids"), vocab_size),
         ignore_eos=_opt_bool(obj, "ignore_eos") or False,
+        kv_compression=_kv_compression(obj.get("kv_compression")),
         n=n or 1,
         **inputs,
     )
@@ -261,6 +269,13 @@ def _include_usage(obj: dict[str, Any], stream: bool) -> bool:
     if not stream:
         raise invalid_param("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     return _opt_bool(options, "include_usage") or False
+
+
+def _kv_compression(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value in KV_COMPRESSIONS):
+        return value
+    raise invalid_param(f"'kv_compression' must be one of {list(KV_COMPRESSIONS)}, got {value!r}.",
+                        "kv_compression")
 
 
 def _cache_salt(value: object) -> str | None:

@@ -91,6 +91,7 @@ class _Tally:
     error: str | None = None
     first_token_at: float | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, out: StepOutput) -> None:
         if out.new_token_ids and self.first_token_at is None:
@@ -101,6 +102,8 @@ class _Tally:
         self.cached_tokens = out.num_cached_tokens
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.error = out.error
@@ -271,6 +274,7 @@ class RequestHandler:
                 prompt_token_ids=token_ids, params=choice_params,
                 cache_salt=body.cache_salt, mm_items=mm_items, mm_inputs=mm_inputs, tenant=tenant,
                 segmented=segmented,
+                kv_compression=body.kv_compression,
             ))
         responses = None
         if kind == "responses":
@@ -351,7 +355,8 @@ class RequestHandler:
             assert tally.finish_reason is not None
             text, calls = extract_tool_calls(tally.text, body.tool_choice, body.tools,
                                              truncated=tally.finish_reason == "length")
-            choices.append(Choice(index, text, tally.finish_reason, calls, tally.logprobs))
+            choices.append(Choice(index, text, tally.finish_reason, calls, tally.logprobs,
+                                  tally.prompt_logprobs))
         if prepared.responses is not None:
             c = choices[0]
             out = prepared.responses.full(c.text, c.tool_calls, c.finish_reason, _usage(tallies),
@@ -381,8 +386,11 @@ class RequestHandler:
                     for event in deltas + responses.calls(calls):
                         yield event
                 else:
-                    if text or out.logprobs:
-                        yield sse_event(builder.delta(text, index, out.logprobs))
+                    if text or out.logprobs or out.prompt_logprobs is not None:
+                        chunk = builder.delta(text, index, out.logprobs)
+                        if out.prompt_logprobs is not None:  # vLLM: in the choice's first chunk
+                            chunk["choices"][0]["prompt_logprobs"] = builder.prompt_logprobs(out.prompt_logprobs)
+                        yield sse_event(chunk)
                     if calls:
                         yield sse_event(builder.tool_calls(calls, index))
                 if not out.finished:

@@ -54,6 +54,7 @@ class Choice:
     finish_reason: str
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def new_call_id() -> str:
@@ -97,6 +98,8 @@ class ResponseBuilder:
             else:
                 out.append({"index": c.index, "text": c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})
+                if c.prompt_logprobs is not None:
+                    out[-1]["prompt_logprobs"] = self.prompt_logprobs(c.prompt_logprobs)
         return {**self._envelope(streaming=False), "choices": out, "usage": usage.to_dict()}
 
     # ------------------------------------------------------------------ chunks
@@ -107,6 +110,22 @@ class ResponseBuilder:
         if self.kind == "chat":
             return self._chunk(index, {"content": text}, None, lp)
         return self._chunk(index, {"text": text}, None, lp)
+
+    def prompt_logprobs(self, entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token None (the
+        first) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the token and
+        its alternatives (ranked 1, 2, ... best first); ids as JSON object keys."""
+        out: list[dict[str, Any] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            item = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
+                                      "decoded_token": self.token_text(e.token_id)}}
+            for rank, (t, lp) in enumerate(e.top, start=1):
+                item.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)})
+            out.append(item)
+        return out
 
     def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
         """A chat chunk carrying whole tool calls, numbered within their choice."""

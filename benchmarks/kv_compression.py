@@ -1,0 +1,279 @@
+"""KV compression (``--kv-compression pyramid``) against exact KV, in one run of this script.
+
+The bundled model in process (``LLMEngine.launch``), text that this project did not
+write: the licences in /usr/share/common-licenses (distinct files, by content).
+
+(a) KV held per request: a compressed request of ``--sizes`` prompt tokens (2k),
+    the blocks it holds right after its compression against the ``ceil(tokens / 16)``
+    blocks an exact request holds then (and bytes); for ``--computed-sizes`` (2k, 4k,
+    8k) the same figure computed from the schedule (which tokens are kept does not
+    change how many), without running 8k-token prefills on a shared CPU.
+(b) Quality: perplexity of held-out continuations. Compression happens after the
+    prompt's prefill, so the prompt's own logprobs cannot show it; as the paper
+    measures decoding under compressed KV, each document's first 2,048 tokens are the
+    prompt and its next ``--continuation`` tokens are teacher-forced as the output
+    (:class:`~engine.core.forced_tokens.ForcedTokens`, with ``logprobs=0``: each
+    forced token's logprob under the raw distribution). Exact mode is scored the same
+    way, and cross-checked against ``prompt_logprobs`` of prompt + continuation in
+    one exact request (the same numbers up to bfloat16 batch effects). Swept over
+    ``--retentions`` (the deepest layer's share; the window fixed).
+(c) Throughput at a small pool: a second engine whose pool holds about four exact
+    requests (2k prompt + output); 16 streams at once, each a shared 1,920-token
+    document prefix plus its own 128-token tail (a RAG-like batch: prefix reuse works
+    for both modes), ``--tokens`` greedy output tokens each (``ignore_eos``); exact
+    batch then compressed batch, each under its own cache salt (both prefill the
+    prefix once). Output tokens/s over each batch's wall time. Then (part "d") the
+    same with 16 distinct 2,048-token prompts (nothing shared; prefill dominates).
+
+Targets (issue 22): (a) <= 0.5x exact at 2k with (b) perplexity <= 1.10x exact;
+(c) >= 1.8x output tokens/s. Prints a table, writes benchmarks/results/kv_compression.json.
+
+Usage: .venv/bin/python benchmarks/kv_compression.py [--retentions 0.3 0.2 0.1] [--docs 3]
+       [--continuation 64] [--tokens 64] [--sizes 2048] [--computed-sizes 2048 4096 8000] [--skip a b c]
+Example: .venv/bin/python benchmarks/kv_compression.py --retentions 0.5 0.3 0.2 0.1 --docs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig
+from engine.core.forced_tokens import ForcedTokens
+from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import PyramidSchedule
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kv_compression.json"
+LICENSES = Path("/usr/share/common-licenses")
+CONTEXT = 2048
+SHARED = 1920
+TAIL = 128
+STREAMS = 16
+_n = 0
+
+
+def documents(tok: Any) -> dict[str, list[int]]:
+    """Distinct licence texts (by content) as token ids, longest first."""
+    seen: set[str] = set()
+    docs: dict[str, list[int]] = {}
+    for path in sorted(LICENSES.iterdir()):
+        text = path.read_text(errors="replace")
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        docs[path.name] = tok.encode(text, add_special_tokens=False)
+    return dict(sorted(docs.items(), key=lambda kv: -len(kv[1])))
+
+
+def submit(engine: LLMEngine, prompt: list[int], mode: str, salt: str, **params: Any) -> Any:
+    global _n
+    _n += 1
+    params.setdefault("temperature", 0.0)
+    return engine.submit(GenerationRequest(f"bench-{_n}", prompt, SamplingParams(**params), cache_salt=salt,
+                                           kv_compression=mode))
+
+
+def record_packed_blocks(engine: LLMEngine) -> dict[str, int]:
+    """Blocks each request holds right after its compression (wraps the scheduler's call)."""
+    held: dict[str, int] = {}
+    compress = engine.scheduler.compress
+
+    def wrapped(req: Any, *args: Any) -> bool:
+        done = compress(req, *args)
+        if done:
+            held[req.request_id] = len(engine.kv_cache_manager.get_block_ids(req.request_id))
+        return done
+
+    engine.scheduler.compress = wrapped  # type: ignore[method-assign]
+    return held
+
+
+def kv_held(engine: LLMEngine, docs: dict[str, list[int]], sizes: list[int],
+            computed: list[int]) -> list[dict[str, Any]]:
+    held = record_packed_blocks(engine)
+    text = [t for d in docs.values() for t in d]
+    bs, per_block = engine.block_size, engine.layout.bytes_per_block
+    rows = []
+    layers = engine.layout.num_layers
+    for size in computed:
+        exact = -(-size // bs)
+        blocks = PackedKV.blocks_for(engine.pyramid.keep_counts(size, layers), bs)
+        rows.append({"prompt_tokens": size, "exact_blocks": exact, "compressed_blocks": blocks, "measured": False,
+                     "exact_mib": exact * per_block / 2**20, "compressed_mib": blocks * per_block / 2**20,
+                     "ratio": blocks / exact})
+        print(f"  (a) {size:>5} tokens: exact {exact} blocks, compressed {blocks} blocks "
+              f"({rows[-1]['ratio']:.3f}x, computed from the schedule)", flush=True)
+    for size in sizes:
+        stream = submit(engine, text[:size], "pyramid", f"a{size}", max_tokens=2)
+        out = stream.result(timeout=3600)
+        blocks = held.get(stream.request_id)
+        exact = -(-size // bs)
+        rows.append({"prompt_tokens": size, "exact_blocks": exact, "compressed_blocks": blocks, "measured": True,
+                     "exact_mib": exact * per_block / 2**20,
+                     "compressed_mib": None if blocks is None else blocks * per_block / 2**20,
+                     "ratio": None if blocks is None else blocks / exact, "finish": out[-1].finish_reason})
+        print(f"  (a) {size:>5} tokens: exact {exact} blocks, compressed {blocks} blocks "
+              f"({rows[-1]['ratio']:.3f}x)", flush=True)
+    return rows
+
+
+def nll(outputs: list[Any]) -> list[float]:
+    return [-e.logprob for o in outputs for e in (o.logprobs or [])]
+
+
+def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], pools: list[int],
+               n: int, window: int, num_docs: int) -> dict[str, Any]:
+    chosen = dict(list((name, ids) for name, ids in docs.items() if len(ids) >= CONTEXT + n)[:num_docs])
+    prompts = {name: ids[:CONTEXT] for name, ids in chosen.items()}
+    targets = {name: ids[CONTEXT : CONTEXT + n] for name, ids in chosen.items()}
+    # exact, through prompt_logprobs of prompt + continuation (one request per document)
+    streams = {name: submit(engine, prompts[name] + targets[name], "none", "b", max_tokens=1, prompt_logprobs=0)
+               for name in chosen}
+    by_prompt = {}
+    for name, stream in streams.items():
+        entries = stream.result(timeout=3600)[0].prompt_logprobs
+        by_prompt[name] = [-e.logprob for e in entries[CONTEXT:]]
+
+    def forced(mode: str) -> dict[str, list[float]]:
+        runs = {name: submit(engine, prompts[name], mode, "b", max_tokens=n, logprobs=0,
+                             constraint=ForcedTokens(targets[name])) for name in chosen}
+        return {name: nll(s.result(timeout=3600)) for name, s in runs.items()}
+
+    def ppl(values: dict[str, list[float]]) -> float:
+        flat = [v for vs in values.values() for v in vs]
+        return math.exp(sum(flat) / len(flat))
+
+    rows = [{"setting": "exact (prompt_logprobs)", "min_retention": 1.0, "ppl": ppl(by_prompt)}]
+    exact = forced("none")
+    rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
+    for r in retentions:
+        for pool in pools:
+            schedule = PyramidSchedule(r, window, pool=pool)
+            engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
+            kept = sum(schedule.keep_counts(CONTEXT, engine.layout.num_layers)) / (CONTEXT * engine.layout.num_layers)
+            rows.append({"setting": f"pyramid min {r:g} pool {pool}", "min_retention": r, "pool": pool,
+                         "kept_share": kept, "ppl": ppl(forced("pyramid"))})
+    base = rows[1]["ppl"]
+    for row in rows:
+        row["ppl_ratio"] = row["ppl"] / base
+        print(f"  (b) {row['setting']:<26} ppl {row['ppl']:8.3f}  {row['ppl_ratio']:.3f}x", flush=True)
+    return {"documents": list(chosen), "context": CONTEXT, "continuation": n, "rows": rows}
+
+
+def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window: int,
+               threads: int | None, bytes_per_block: int, distinct: bool) -> dict[str, Any]:
+    bs = 16
+    per_request = -(-(CONTEXT + tokens) // bs)
+    names = list(docs)
+    if distinct:  # 16 different 2,048-token windows of the licence texts: no prefix to share
+        text = [t for d in docs.values() for t in d]
+        prompts = [text[i * CONTEXT : (i + 1) * CONTEXT] for i in range(STREAMS)]
+    else:
+        shared = docs[names[0]][:SHARED]
+        tails = [t for d in list(docs.values())[1:] for t in d]
+        prompts = [shared + tails[i * TAIL : (i + 1) * TAIL] for i in range(STREAMS)]
+    gib = (4 * per_request + 8) * bytes_per_block / 2**30
+    engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=gib, seed=0, num_threads=threads,
+                                           kv_min_retention=retention, kv_window=window))
+    out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
+                           "streams": STREAMS, "output_tokens_each": tokens}
+    try:
+        for mode in ("none", "pyramid"):
+            before = engine.stats().num_preemptions
+            start = time.perf_counter()
+            streams = [submit(engine, p, mode, f"c-{mode}", max_tokens=tokens, ignore_eos=True) for p in prompts]
+            total = sum(len(t) for s in streams for t in (o.new_token_ids for o in s.result(timeout=7200)))
+            wall = time.perf_counter() - start
+            stats = engine.stats()
+            out[mode] = {"wall_s": wall, "output_tokens": total, "tokens_per_s": total / wall,
+                         "preemptions": stats.num_preemptions - before, "compressed": stats.kv_compressed,
+                         "load_avg_after": os.getloadavg()}
+            print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s", flush=True)
+        kv = engine.kv_cache_manager
+        engine.call(kv.check_integrity)
+        out["all_blocks_free"] = kv.num_free_blocks == kv.num_blocks
+    finally:
+        engine.shutdown()
+    out["ratio"] = out["pyramid"]["tokens_per_s"] / out["none"]["tokens_per_s"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--retentions", type=float, nargs="+", default=[0.3, 0.2, 0.1])
+    parser.add_argument("--pools", type=int, nargs="+", default=[1, 7],
+                        help="score pooling widths swept in (b) (PyramidSchedule.pool)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048],
+                        help="prompt sizes whose compressed blocks are measured (a request each)")
+    parser.add_argument("--computed-sizes", type=int, nargs="*", default=[2048, 4096, 8000],
+                        help="prompt sizes whose blocks are computed from the schedule (the counts per "
+                        "layer do not depend on which tokens are picked)")
+    parser.add_argument("--docs", type=int, default=3, help="documents scored in (b)")
+    parser.add_argument("--continuation", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--throughput-retention", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d"],
+                        help="parts to skip (d: part (c) with 16 distinct prompts)")
+    args = parser.parse_args()
+    result: dict[str, Any] = {"benchmark": "kv_compression", "machine": {"cpus": os.cpu_count(),
+                              "platform": platform.platform()}, "load_avg_before": os.getloadavg(),
+                              "window": args.window}
+    engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=1.0, seed=0, num_threads=args.threads,
+                                           kv_window=args.window))
+    tok = engine.tokenizer
+    docs = documents(tok)
+    bytes_per_block = engine.layout.bytes_per_block
+    try:
+        if "a" not in args.skip:
+            result["kv_held"] = kv_held(engine, docs, args.sizes, args.computed_sizes)
+        if "b" not in args.skip:
+            result["perplexity"] = perplexity(engine, docs, args.retentions, args.pools, args.continuation,
+                                              args.window, args.docs)
+    finally:
+        engine.shutdown()
+    if "c" not in args.skip:
+        result["throughput"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
+                                          args.threads, bytes_per_block, distinct=False)
+    if "d" not in args.skip:
+        result["throughput_distinct"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
+                                                   args.threads, bytes_per_block, distinct=True)
+    result["load_avg_after"] = os.getloadavg()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print("\n| part | setting | figure | vs exact |\n|---|---|---|---|")
+    for row in result.get("kv_held", []):
+        print(f"| a | {row['prompt_tokens']} tokens | {row['compressed_blocks']} / {row['exact_blocks']} blocks "
+              f"({row['compressed_mib']:.1f} / {row['exact_mib']:.1f} MiB) | {row['ratio']:.3f}x |")
+    for row in result.get("perplexity", {}).get("rows", []):
+        print(f"| b | {row['setting']} | ppl {row['ppl']:.3f} | {row['ppl_ratio']:.3f}x |")
+    for key in ("throughput", "throughput_distinct"):
+        t = result.get(key)
+        if not t:
+            continue
+        for mode in ("none", "pyramid"):
+            print(f"| c | {mode}, {t['streams']} streams ({t['prompts']}), pool {t['pool_blocks']} blocks | "
+                  f"{t[mode]['tokens_per_s']:.2f} tok/s ({t[mode]['wall_s']:.0f} s, {t[mode]['compressed']} "
+                  f"compressed, {t[mode]['preemptions']} preempted) | "
+                  f"{t[mode]['tokens_per_s'] / t['none']['tokens_per_s']:.2f}x |")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""PackedDecodes: decode attention for compressed requests, over their packed layer pages.
+
+A compressed request (:class:`~engine.model.packed_kv.PackedKV`) keeps, per layer, a
+subset of its tokens' K/V, stored with the RoPE rotation of their original
+positions; its new token is computed at its true position and attends to the
+layer's retained keys plus itself. There is no causal structure left to mask
+inside a layer's retained tokens (all precede the new one), only the padding past
+each request's count. All compressed decodes of a batch are attended together per
+layer: their page tables padded to the longest with the storage's pad page.
+
+Not batch invariant like the exact path (:mod:`engine.model.attention`): compressed
+outputs are approximate by design; exact requests never come here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.packed_kv import PackedKV
+
+
+@dataclass(frozen=True)
+class _LayerTables:
+    kv_rows: torch.Tensor  # [kv_heads * n * pages], head-major, for the gather
+    pages: int
+    hidden: torch.Tensor  # [1, n, 1, pages * block_size]: padding past each count
+    where: torch.Tensor  # [n] storage layer of the new token's slot
+    slot: torch.Tensor  # [n] its slot within that layer
+
+
+class PackedDecodes:
+    """The single-token compressed sequences of one forward; their tables are built for
+    all layers at once (a few tensor ops per layer, whatever the batch)."""
+
+    def __init__(self, rows: Sequence[int], packed: Sequence[PackedKV]) -> None:
+        """Sequence ``i`` sits at batch row ``rows[i]``; its pages must hold room for the
+        new token in every layer (:meth:`PackedKV.fill` with 1)."""
+        self.rows = torch.tensor(list(rows), dtype=torch.long)
+        self.packed = list(packed)
+        storage = self.packed[0].storage
+        self.storage = storage
+        lay = storage.layout
+        bs, stride = lay.block_size, storage.num_blocks + 1
+        cap = max(p.table.shape[1] for p in self.packed)
+        tables = torch.stack([F.pad(p.table, (0, cap - p.table.shape[1]), value=storage.pad_block)
+                              for p in self.packed])  # [n, layers, cap] global page ids
+        counts = torch.tensor([p.counts for p in self.packed], dtype=torch.long)  # [n, layers]
+        pages_used = [max(len(p.pages[layer]) for p in self.packed) for layer in range(lay.num_layers)]
+        new_page = tables.gather(2, (counts // bs)[..., None])[..., 0]  # [n, layers]
+        where, slot = new_page // stride, (new_page % stride) * bs + counts % bs
+        base = (tables // stride) * (lay.kv_heads * stride) + tables % stride
+        heads = torch.arange(lay.kv_heads, dtype=torch.long)[:, None, None] * stride
+        self.layers: list[_LayerTables] = []
+        for layer, pages in enumerate(pages_used):
+            kv_rows = (heads + base[None, :, layer, :pages]).reshape(-1)
+            hidden = torch.arange(pages * bs)[None, :] > counts[:, layer, None]
+            self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :], where[:, layer],
+                                            slot[:, layer]))
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:
+        """Write these rows' new K/V into their packed slots of ``layer``, then attend
+        their queries (``[T, heads, head_dim]`` batch tensors) into ``out``'s rows."""
+        lay = self.storage.layout
+        t = self.layers[layer]
+        kv_heads, head_dim, bs = lay.kv_heads, lay.head_dim, lay.block_size
+        n = self.rows.numel()
+        shape = (lay.num_layers, kv_heads, (self.storage.num_blocks + 1) * bs, head_dim)
+        self.storage.all_keys.view(shape)[t.where, :, t.slot] = key[self.rows]
+        self.storage.all_values.view(shape)[t.where, :, t.slot] = value[self.rows]
+        keys = torch.index_select(self.storage.all_keys.view(-1, bs, head_dim), 0, t.kv_rows)
+        values = torch.index_select(self.storage.all_values.view(-1, bs, head_dim), 0, t.kv_rows)
+        length = t.pages * bs
+        keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
+        heads = query.shape[1]
+        groups = heads // kv_heads
+        q = (query[self.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+        scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, groups, length]
+        scores.masked_fill_(t.hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        chunk = torch.matmul(probs, values)  # [kv_heads, n, groups, head_dim]
+        out[self.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
+
+    def advance(self) -> None:
+        """After the forward: every layer of every sequence holds one more token."""
+        for p in self.packed:
+            p.counts = [c + 1 for c in p.counts]

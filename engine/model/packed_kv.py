@@ -1,0 +1,110 @@
+"""PackedKV: one compressed request's K/V, packed into layer pages of the blocks it holds.
+
+A block id of the pool spans every layer: block ``b`` is ``num_layers`` *layer pages*
+``(l, b)``, each ``block_size`` token slots of every KV head in layer ``l``'s tensor
+(:attr:`~engine.model.kv_storage.KVStorage.all_keys` makes any of them addressable).
+An exact request uses page ``(l, b)`` for layer ``l``. A compressed request keeps
+fewer tokens in deeper layers (:mod:`engine.model.pyramid`), so it holds only
+``ceil(sum of its layers' pages / num_layers)`` whole blocks from the pool and puts
+layer ``l``'s tokens into any page of them: per layer, a *page table* of global page
+ids ``g = l' * (num_blocks + 1) + b`` (page ``(l', b)``). The pool's accounting is
+unchanged (whole blocks, ref counts); the packing is this request's business.
+
+Invariants:
+
+* layer ``l`` holds ``counts[l]`` tokens in ``pages[l]``, in order: token ``i`` in
+  page ``pages[l][i // block_size]`` at offset ``i % block_size``; ``len(pages[l]) ==
+  ceil(counts[l] / block_size)`` after :meth:`fill` (a full layer gets a page only
+  when its next token needs it);
+* every page of every held block is in exactly one layer's table or in ``spare``;
+* these pages are never hashed, shared or read by another request (the blocks are
+  fresh from the pool and the KV cache manager never caches them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.model.kv_storage import KVStorage
+
+
+class PackedKV:
+    """The page tables of one compressed request (see the module docstring)."""
+
+    def __init__(self, storage: KVStorage, counts: Sequence[int]) -> None:
+        """Empty tables for layers that will hold ``counts[l]`` tokens (no block yet)."""
+        self.storage = storage
+        self.stride = storage.num_blocks + 1
+        self.block_size = storage.layout.block_size
+        self.num_layers = storage.layout.num_layers
+        if len(counts) != self.num_layers:
+            raise ValueError(f"{len(counts)} layer counts for {self.num_layers} layers")
+        self.counts = list(counts)
+        self.pages: list[list[int]] = [[] for _ in counts]
+        self.spare: list[int] = []
+        self.blocks: list[int] = []
+        self.table = torch.full((self.num_layers, 0), storage.pad_block, dtype=torch.long)
+        """``pages`` as a tensor ``[layers, capacity]``, padded with the pad block's page."""
+
+    @staticmethod
+    def blocks_for(counts: Sequence[int], block_size: int) -> int:
+        """Whole blocks that hold layers of ``counts`` tokens, packed."""
+        pages = sum(-(-c // block_size) for c in counts)
+        return -(-pages // len(counts))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held, summed over layers (the exact request holds ``tokens * layers``)."""
+        return sum(self.counts)
+
+    def add_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take ``block_ids`` (fresh from the pool): all their layer pages become spare."""
+        self.blocks.extend(block_ids)
+        self.spare.extend(layer * self.stride + b for b in block_ids for layer in range(self.num_layers))
+
+    def blocks_needed(self, new_tokens: int = 0) -> int:
+        """Blocks to add before every layer can hold ``new_tokens`` more tokens."""
+        bs = self.block_size
+        pages = sum(max(0, -(-(c + new_tokens) // bs) - len(p)) for c, p in zip(self.counts, self.pages, strict=True))
+        return -(-max(0, pages - len(self.spare)) // self.num_layers)
+
+    def fill(self, new_tokens: int = 0) -> None:
+        """Give every layer the spare pages it needs for ``new_tokens`` more tokens
+        (:meth:`blocks_needed` must be 0)."""
+        bs = self.block_size
+        added: list[tuple[int, int, int]] = []
+        for layer, (count, pages) in enumerate(zip(self.counts, self.pages, strict=True)):
+            while len(pages) * bs < count + new_tokens:
+                if not self.spare:
+                    raise ValueError("no spare page: add blocks first")
+                pages.append(self.spare.pop())
+                added.append((layer, len(pages) - 1, pages[-1]))
+        if not added:
+            return
+        need = max(len(p) for p in self.pages)
+        if need > self.table.shape[1]:
+            grown = torch.full((self.num_layers, max(need, 2 * self.table.shape[1])), self.storage.pad_block,
+                               dtype=torch.long)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        layers, columns, values = zip(*added, strict=True)
+        self.table[list(layers), list(columns)] = torch.tensor(values, dtype=torch.long)
+
+    def slots(self, layer: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer ``layer``'s tokens ``first .. first + n - 1`` live: (storage layer
+        index, slot within that layer) per token, for :meth:`write`."""
+        bs, stride = self.block_size, self.stride
+        idx = torch.arange(first, first + n)
+        pages = self.table[layer][idx // bs]
+        return pages // stride, (pages % stride) * bs + idx % bs
+
+    def write(self, layer: int, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` (``[n, kv_heads, head_dim]``) as layer ``layer``'s
+        tokens ``first ..`` (their pages must exist: :meth:`fill`)."""
+        lay = self.storage.layout
+        where, slot = self.slots(layer, first, keys.shape[0])
+        shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
+        self.storage.all_keys.view(shape)[where, :, slot] = keys
+        self.storage.all_values.view(shape)[where, :, slot] = values

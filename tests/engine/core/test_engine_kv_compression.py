@@ -1,0 +1,215 @@
+"""KV compression (PyramidInfer-style) on the tiny model: the pool gets blocks back, the
+packed tables hold what the schedule says, nothing leaks, no salt crosses, and exact
+requests around compressed ones are untouched. Every step is followed by
+``check_integrity()`` where the engine is driven by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.forced_tokens import ForcedTokens
+from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.core.output_stream import OutputStream
+
+_ids = itertools.count()
+BS = 16
+
+
+def prompt_of(n, offset=0):
+    return [100 + ((i * 11 + offset) % 4000) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def deep_model(bundled_tokenizer):
+    """A 6-layer tiny Llama: enough depth for retention to fall."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(bundled_tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, eos_token_id=bundled_tokenizer.eos_token_id)
+    return LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+@pytest.fixture
+def make_engine(deep_model, bundled_tokenizer):
+    engines = []
+
+    def make(started=True, **overrides):
+        settings = {"kv_cache_memory_gib": 0.004, "seed": 0, "kv_compression": "pyramid",
+                    "served_model_name": "tiny"}
+        settings.update(overrides)
+        engine = LLMEngine(deep_model, bundled_tokenizer, EngineConfig(**settings))
+        if started:
+            engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        kv = engine.kv_cache_manager
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks and not kv.packed
+
+
+def run(engine, prompt, *, salt=None, mode=None, **params):
+    params.setdefault("max_tokens", 12)
+    params.setdefault("temperature", 0.0)
+    stream = engine.submit(GenerationRequest(f"kvc-{next(_ids)}", list(prompt), SamplingParams(**params),
+                                             cache_salt=salt, kv_compression=mode))
+    return stream.result(timeout=300)
+
+
+def tokens_of(outputs):
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def drive(engine, requests):
+    """Submit by hand and step the loop here, checking integrity after every step;
+    returns, per request, the blocks it held right after compression."""
+    held = {}
+    reqs = []
+    for r in requests:
+        req = engine._validate(r)
+        req.stream = OutputStream(r.request_id, lambda _rid: None)
+        engine.scheduler.add(req)
+        reqs.append(req)
+    while engine.scheduler.has_work():
+        engine.step()
+        engine.kv_cache_manager.check_integrity()
+        for req in reqs:
+            if req.packed is not None and req.request_id not in held:
+                held[req.request_id] = (len(engine.kv_cache_manager.get_block_ids(req.request_id)),
+                                        list(req.packed.counts))
+    return held
+
+
+def test_a_compressed_request_holds_fewer_blocks_by_the_schedule(make_engine):
+    engine = make_engine(started=False, kv_min_retention=0.25, kv_window=16)
+    n = 600
+    held = drive(engine, [GenerationRequest("c1", prompt_of(n), SamplingParams(max_tokens=8, temperature=0.0))])
+    blocks, counts = held["c1"]
+    assert counts[0] == n  # layer 0 keeps everything
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 150  # 0.25 * 600 at the last layer
+    assert counts == engine.pyramid.keep_counts(n, 6)
+    exact_blocks = -(-n // BS)
+    assert blocks == -(-sum(-(-c // BS) for c in counts) // 6) < 0.6 * exact_blocks
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and engine.num_compressed == 1
+
+
+def test_full_retention_decodes_like_exact(make_engine):
+    engine = make_engine(kv_min_retention=1.0)
+    prompt = prompt_of(300, offset=4)
+    exact = run(engine, prompt, mode="none", max_tokens=20, logprobs=0, salt="a")
+    packed = run(engine, prompt, mode="pyramid", max_tokens=20, logprobs=0, salt="b")
+    assert engine.num_compressed == 1
+    assert tokens_of(packed) == tokens_of(exact)
+    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
+    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_exact_requests_never_read_compressed_kv(make_engine):
+    reference = make_engine(kv_compression="none")
+    engine = make_engine()
+    prompt = prompt_of(400, offset=8)
+    want = tokens_of(run(reference, prompt, max_tokens=16))
+    squeezed = run(engine, prompt, max_tokens=16)  # compressed; its exact blocks stay cached
+    again = run(engine, prompt, max_tokens=16, mode="none")
+    assert engine.num_compressed == 1
+    assert again[-1].num_cached_tokens == (400 - 1) // BS * BS  # the exact prefix blocks it left behind
+    assert tokens_of(again) == want
+    assert len(tokens_of(squeezed)) == 16
+
+
+def test_salts_stay_apart_and_a_compressed_prefill_reuses_its_own_salt(make_engine):
+    engine = make_engine()
+    prompt = prompt_of(320, offset=2)
+    run(engine, prompt, salt="tenant-a", mode="none")
+    other = run(engine, prompt, salt="tenant-b")
+    same = run(engine, prompt, salt="tenant-a")
+    assert other[-1].num_cached_tokens == 0
+    assert same[-1].num_cached_tokens == (320 - 32) // BS * BS  # its last window is computed
+    assert engine.num_compressed == 2
+
+
+def test_teacher_forced_scoring_under_compression(make_engine):
+    engine = make_engine()
+    prompt, continuation = prompt_of(400, offset=5), prompt_of(24, offset=77)
+    outs = run(engine, prompt, max_tokens=len(continuation), logprobs=0,
+               constraint=ForcedTokens(continuation))
+    assert tokens_of(outs) == continuation
+    assert all(e.logprob <= 0 for o in outs for e in o.logprobs)
+
+
+def test_many_compressed_requests_under_pressure_leak_nothing(make_engine):
+    engine = make_engine(kv_cache_memory_gib=0.0015, max_num_batched_tokens=256)
+    kv = engine.kv_cache_manager
+    prompts = [prompt_of(200 + 37 * i, offset=i) for i in range(8)]
+    streams = [engine.submit(GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=60, temperature=0.0,
+                                                                           ignore_eos=True)))
+               for i, p in enumerate(prompts)]
+    results = [s.result(timeout=600) for s in streams]
+    assert all(r[-1].finish_reason == "length" and len(tokens_of(r)) == 60 for r in results)
+    assert engine.num_compressed >= 8
+    exact_need = sum(-(-(len(p) + 60) // BS) for p in prompts)
+    assert kv.num_blocks < exact_need / 2  # a real squeeze: admission waits, maybe preemption
+    engine.call(kv.check_integrity)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_short_prompts_and_bad_modes(make_engine):
+    engine = make_engine()
+    run(engine, prompt_of(40))
+    assert engine.num_compressed == 0  # below min_tokens: stays exact
+    with pytest.raises(ValueError, match="kv_compression"):
+        engine.submit(GenerationRequest("bad", prompt_of(4), SamplingParams(), kv_compression="zip"))
+    with pytest.raises(ValueError, match="kv_compression"):
+        EngineConfig(kv_compression="zip")
+
+
+def test_the_last_chunk_keeps_the_window_whatever_the_chunking_and_hits(make_engine):
+    engine = make_engine(started=False, kv_window=32, max_num_batched_tokens=128)
+    prompt = prompt_of(256 + 5, offset=3)  # 128-token chunks would end with a 5-token chunk
+    chunks = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        work = schedule()
+        chunks.extend((s.request.request_id, s.start, s.num_new_tokens) for s in work.scheduled)
+        return work
+
+    engine.scheduler.schedule = recording
+    held = drive(engine, [GenerationRequest("cold", prompt, SamplingParams(max_tokens=2, temperature=0.0))])
+    assert [c for c in chunks if c[0] == "cold"][:3] == [("cold", 0, 128), ("cold", 128, 101), ("cold", 229, 32)]
+    again = drive(engine, [GenerationRequest("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0))])
+    hit = (261 - 32) // BS * BS  # the hit stops short of the last window
+    assert next(c for c in chunks if c[0] == "warm") == ("warm", hit, 261 - hit)
+    assert "cold" in held and "warm" in again  # both compressed
+
+
+def test_selection_keeps_the_window_and_the_most_attended_tokens():
+    from engine.model.pyramid import AttentionCapture, PyramidSchedule, select
+
+    schedule = PyramidSchedule(min_retention=0.25, window=4)
+    capture = AttentionCapture(window=4)
+    n = 40
+    for layer in range(3):
+        probs = torch.zeros((1, 1, 4, n))
+        probs[..., [3, 17, 20]] = torch.tensor([0.5, 0.3, 0.2])
+        capture.add(layer, probs, first_row=0, num_rows=4)
+    keep = select(capture, schedule, n, 3)
+    assert [k.numel() for k in keep] == schedule.keep_counts(n, 3) == [40, 18, 10]  # 1.0, 0.4375, 0.25
+    deepest = keep[2].tolist()
+    assert {3, 17, 20} <= set(deepest) and set(range(36, 40)) <= set(deepest)
+    assert deepest == sorted(deepest)
+    pooled = select(capture, PyramidSchedule(0.25, 4, pool=3), n, 3)[2].tolist()
+    assert {2, 3, 4, 16, 17, 18} <= set(pooled)  # neighbours of the most attended come along
+    with pytest.raises(ValueError, match="min_retention"):
+        PyramidSchedule(min_retention=0.0)

@@ -1,0 +1,50 @@
+"""kv_compression over real loopback HTTP (the official openai SDK): the engine's default,
+a request's own choice either way, the metrics, and bad values refused with a 400."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from test_engine_http_fixtures import serve
+
+PROMPT = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(40))
+
+
+@pytest.fixture
+def live(make_tiny_engine):
+    with serve(make_tiny_engine(kv_compression="pyramid")) as server:
+        yield server
+
+
+def metric(live, name):
+    text = httpx.get(f"{live.base_url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_requests_choose_and_metrics_count(live):
+    client = openai.OpenAI(base_url=live.api_url, api_key="x", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"kv_compression": "none", "cache_salt": "s1"})
+    assert metric(live, "prefixgate_engine_kv_retained_tokens_count") == 0
+    squeezed = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         extra_body={"cache_salt": "s2"})  # the engine's default
+    assert squeezed.usage.completion_tokens == plain.usage.completion_tokens == 6
+    assert metric(live, "prefixgate_engine_kv_retained_tokens_count") == 1
+    tokens = metric(live, "prefixgate_engine_kv_compressed_tokens_total")
+    kept = metric(live, "prefixgate_engine_kv_retained_tokens_sum")
+    assert tokens == squeezed.usage.prompt_tokens and 0 < kept < tokens
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=4, extra_body={"kv_compression": "pyramid"})
+    assert chat.usage.completion_tokens >= 1
+    assert metric(live, "prefixgate_engine_kv_retained_tokens_count") == 2
+    assert metric(live, "vllm:kv_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize("bad", ["zip", 1, True])
+def test_bad_values_are_a_400(live, bad):
+    r = httpx.post(f"{live.api_url}/completions", timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "kv_compression": bad})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "kv_compression"
