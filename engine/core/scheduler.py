@@ -18,19 +18,16 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_token
 
 Each step also has a cost budget, because a token's forward grows with its
 context: :func:`chunk_cost` counts a token at context ``c`` as ``max(1, c /
-context_cost_tokens)`` tokens (attention over a long context dominates; with the
-bundled model on 2 CPU threads a token at 4k / 8k context cost 5-8x / 20-60x one
-at the start). Prefill chunks are cut so that the step's cost (its decodes
+context_cost_tokens)`` tokens (attention over a long context dominates: with the
+bundled model in bfloat16 on 2 CPU threads, measured on a loaded VM, a token at
+1k / 2k / 4k / 8k context costs about 2 / 4-12 / 25-40 / 40-60 times one at the
+start; ``CONTEXT_COST_TOKENS`` = 256 says 4 / 8 / 16 / 32). Prefill chunks are cut so that the step's cost (its decodes
 included) stays within the cost budget; the step's first prefill chunk gets at
 least one token, so prefill always progresses. The cost budget is:
 
 * ``max_num_batched_tokens`` by default: no forward costs much more than a full
   budget of short-context tokens, however long the context (a request arriving
   while a lone long prompt prefills waits for at most that);
-* in the step where a tenant arrives (no prefill work in the previous step)
-  beside tenants already prefilling: the newcomers' largest demand, cost counted,
-  so that forward costs about what the newcomer's costs alone, the others getting
-  what the newcomers leave (never two such steps in a row);
 * while a tenant that had prefill work within the last ``fair_window_s`` seconds
   has none now (between its requests, or decoding) and others prefill: the
   smallest demand such a tenant arrived with, but at least ``min(MIN_STEP_COST,
@@ -40,6 +37,11 @@ least one token, so prefill always progresses. The cost budget is:
   cost alone, while the long prompts keep the forwards in between. (A request
   arriving after a longer pause waits for at most one forward of the default
   budget.) Tenants prefilling side by side share the step's cost equally.
+
+In the step where a tenant arrives (no prefill work in the previous step) beside
+tenants already prefilling, only the newcomers prefill, so that forward costs about
+what theirs cost alone (never two such steps in a row: the others keep at least
+every other step).
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -93,7 +95,7 @@ from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
-CONTEXT_COST_TOKENS = 512
+CONTEXT_COST_TOKENS = 256
 """Past this context a token's forward costs ``context / CONTEXT_COST_TOKENS`` short ones."""
 MIN_STEP_COST = 32
 """The least cost budget (in short-context tokens) a step gets while tenants share."""
@@ -187,16 +189,15 @@ def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None,
     return shares
 
 
-def _cost_shares(costs: dict[str | None, float], budget: float, first: set[str | None]) -> dict[str | None, float]:
-    """Equal shares of the cost ``budget``, water-filled, the tenants in ``first`` served
-    before the others share what they leave."""
-    shares: dict[str | None, float] = {}
-    for group in ([t for t in costs if t in first], [t for t in costs if t not in first]):
-        left = len(group)
-        for tenant in sorted(group, key=lambda t: costs[t]):
-            shares[tenant] = min(costs[tenant], budget / left)
-            budget -= shares[tenant]
-            left -= 1
+def _cost_shares(costs: dict[str | None, float], budget: float, only: set[str | None]) -> dict[str | None, float]:
+    """Equal shares of the cost ``budget``, water-filled, between the tenants in ``only``
+    (all of them when empty); the others get none."""
+    shares = dict.fromkeys(costs, 0.0)
+    left = len(only or costs)
+    for tenant in sorted(only or costs, key=lambda t: costs[t]):
+        shares[tenant] = min(costs[tenant], budget / left)
+        budget -= shares[tenant]
+        left -= 1
     return shares
 
 
@@ -233,7 +234,7 @@ class Scheduler:
         self.block_loader: BlockLoader | None = None
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
-        self._capped_last = False  # the previous step's prefill was capped for a newcomer
+        self._capped_last = False  # only newcomers prefilled in the previous step
         self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
         self.context_cost_tokens = context_cost_tokens
         self.fair_window_s = fair_window_s
@@ -280,7 +281,7 @@ class Scheduler:
         carry, cost_carry = 0, 0.0
         for tenant in order:
             allowance = min(shares[tenant] + carry, step.budget)
-            cost_allowance = cost_shares[tenant] + cost_carry
+            cost_allowance = cost_shares[tenant] + (cost_carry if not newcomers or tenant in newcomers else 0.0)
             cost_before = step.cost
             used = self._prefill_tenant(queues[tenant], allowance, cost_allowance, step)
             carry = allowance - used
@@ -292,27 +293,24 @@ class Scheduler:
         return step.out
 
     def _cost_budget(self, costs: dict[str | None, float]) -> tuple[float, set[str | None]]:
-        """This step's cost budget (decodes included), from each tenant's prefill demand,
-        cost counted (see the module docstring), and the newcomers served first when it is
-        theirs. Remembers who arrived and who is active."""
+        """This step's cost budget (decodes included) and the tenants that alone may
+        prefill in it (none: all of them), from each tenant's prefill demand, cost counted
+        (see the module docstring). Remembers who arrived and who is active."""
         now = self.clock()
-        budget = float(self.max_num_batched_tokens)
-        floor = min(MIN_STEP_COST, budget)
         new = {t for t in costs if t not in self._prefilling_before}
-        cap = budget
-        if new and len(new) < len(costs) and not self._capped_last:
-            cap = min(budget, max(costs[t] for t in new))
-        self._capped_last = cap < budget
+        newcomers_only = bool(new) and len(new) < len(costs) and not self._capped_last
+        self._capped_last = newcomers_only
         for tenant, cost in costs.items():
-            arrived = tenant not in self._prefilling_before or tenant not in self._active
+            arrived = tenant in new or tenant not in self._active
             self._active[tenant] = (cost if arrived else self._active[tenant][0], now)
         for tenant in [t for t, (_, seen) in self._active.items() if now - seen > self.fair_window_s]:
             del self._active[tenant]
         self._prefilling_before = set(costs)
+        budget = float(self.max_num_batched_tokens)
         away = [cost for t, (cost, _) in self._active.items() if t not in costs]
-        if not self._capped_last and away and costs:
-            cap = min(budget, max(min(away), floor))
-        return cap, new if self._capped_last else set()
+        if away and costs:
+            budget = min(budget, max(min(away), min(MIN_STEP_COST, budget)))
+        return budget, new if newcomers_only else set()
 
     def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:
         """Each tenant's prefill work in order: its running prefilling requests (admission
