@@ -316,6 +316,7 @@ def main() -> int:
             if args.before_root is not None:  # the same run: before, then this checkout
                 results["prefill_before"] = case_prefill(args, workdir, args.before_root,
                                                          args.before_quiet_requests or args.quiet_requests)
+                print(json.dumps({"prefill_before": results["prefill_before"]}), flush=True)
             results["prefill"] = case_prefill(args, workdir, ROOT, args.quiet_requests)
         if args.only in (None, "images"):
             results["images"] = case_images(args, workdir)

@@ -38,8 +38,9 @@ least one token, so prefill always progresses. The cost budget is:
   arriving after a longer pause waits for at most one forward of the default
   budget.) Tenants prefilling side by side share the step's cost equally.
 
-In the step where a tenant arrives (no prefill work in the previous step) beside
-tenants already prefilling, only the newcomers prefill, so that forward costs about
+In the step where a tenant arrives (none of its requests had prefill work in the
+previous step: also a tenant whose last request just finished) beside tenants
+already prefilling, only the newcomers prefill, so that forward costs about
 what theirs cost alone (never two such steps in a row: the others keep at least
 every other step).
 
@@ -235,7 +236,7 @@ class Scheduler:
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
         self._capped_last = False  # only newcomers prefilled in the previous step
-        self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
+        self._prefilling_before: set[EngineRequest] = set()  # requests with prefill work in the previous step
         self.context_cost_tokens = context_cost_tokens
         self.fair_window_s = fair_window_s
         self.clock = clock
@@ -274,7 +275,7 @@ class Scheduler:
         costs = {t: sum(chunk_cost(r.num_computed_tokens, r.num_uncomputed_tokens, self.context_cost_tokens)
                         for r in queues[t]) for t in order}
         decodes_cost = self.max_num_batched_tokens - step.cost
-        cap, newcomers = self._cost_budget(costs)
+        cap, newcomers = self._cost_budget(queues, costs)
         step.cost = cap - decodes_cost
         shares = _water_fill(demands, step.budget)
         cost_shares = _cost_shares(costs, step.cost, newcomers)
@@ -292,12 +293,13 @@ class Scheduler:
             del self._last_served[tenant]
         return step.out
 
-    def _cost_budget(self, costs: dict[str | None, float]) -> tuple[float, set[str | None]]:
+    def _cost_budget(self, queues: dict[str | None, list[EngineRequest]], costs: dict[str | None, float],
+                     ) -> tuple[float, set[str | None]]:
         """This step's cost budget (decodes included) and the tenants that alone may
         prefill in it (none: all of them), from each tenant's prefill demand, cost counted
         (see the module docstring). Remembers who arrived and who is active."""
         now = self.clock()
-        new = {t for t in costs if t not in self._prefilling_before}
+        new = {t for t, queue in queues.items() if self._prefilling_before.isdisjoint(queue)}
         newcomers_only = bool(new) and len(new) < len(costs) and not self._capped_last
         self._capped_last = newcomers_only
         for tenant, cost in costs.items():
@@ -305,7 +307,7 @@ class Scheduler:
             self._active[tenant] = (cost if arrived else self._active[tenant][0], now)
         for tenant in [t for t, (_, seen) in self._active.items() if now - seen > self.fair_window_s]:
             del self._active[tenant]
-        self._prefilling_before = set(costs)
+        self._prefilling_before = {r for queue in queues.values() for r in queue}
         budget = float(self.max_num_batched_tokens)
         away = [cost for t, (cost, _) in self._active.items() if t not in costs]
         if away and costs:

@@ -229,7 +229,8 @@ def test_random_tenants_keep_every_invariant(seed):
         assert len(sched.running) <= sched.max_num_seqs
         assert sched.reserved_blocks <= sched.num_blocks
         tenants = {r.tenant for r in sched.all_requests()}
-        assert set(sched._last_served) <= tenants and sched._prefilling_before <= tenants  # bounded by the work
+        assert set(sched._last_served) <= tenants  # bounded by the work
+        assert sched._prefilling_before <= set(sched.all_requests())
         for s in out.scheduled:
             assert s.request in sched.running and s.start == s.request.num_computed_tokens
             assert s.start == computed_before.get(s.request, s.start)
@@ -332,7 +333,7 @@ def test_a_quiet_tenant_waits_for_forwards_about_as_costly_as_its_own():
         assert step_cost(out, k) == quiet_cost
         finish_step(sched, out)
         sched.finish(quiet)
-        for _ in range(2):  # until Q's next request: A alone, in forwards of Q's size
+        for _ in range(1 + i % 2):  # until Q's next request: A alone, in forwards of Q's size
             out = sched.schedule()
             assert [s.request for s in out.scheduled] == [heavy]
             assert step_cost(out, k) <= max(quiet_cost, MIN_STEP_COST)
