@@ -3,12 +3,16 @@
 Two cases (issue 29, items 2 and 3), each against a real engine process on loopback:
 
 * ``prefill``: a quiet tenant's one-token requests (a ~20-token chat, sequential),
-  TTFT (the whole answer of ``max_tokens: 1``) p50/p99 on an idle engine, then
-  while a heavy tenant keeps ``--heavy-streams`` prompts of ``--heavy-tokens``
-  distinct tokens (8k by default) in flight. Twice in one run: with the tenant
-  header (``x-prefixgate-tenant``: prefill shared between tenants) and without it
-  (one shared key: first come, first served, as before issue 29). Target: loaded
-  p99 within 2x idle p99.
+  TTFT (the whole answer of ``max_tokens: 1``) p50/p99 on an idle engine; then one
+  cold prompt of ``--heavy-tokens`` distinct tokens (8k by default) alone, timed
+  (a lone long prompt's throughput); then the quiet tenant again while a heavy
+  tenant keeps ``--heavy-streams`` prompts in flight, each that prompt's cached
+  first ``heavy_tokens - heavy_new_tokens`` tokens and ``--heavy-new-tokens`` new
+  ones, so the engine keeps computing at 7-8k context (a cold 8k prompt spends
+  most of its time at short context, and minutes on a 2-core VM). With
+  ``--before-root`` the same on another checkout's engine first (before/after in
+  one run); ``--fcfs-requests N`` adds a run without the tenant header. Target:
+  loaded p99 within 2x idle p99.
 * ``images``: a tiny random LLaVA (``tests/engine/multimodal/tiny_vlm.py``) served
   with ``--max-image-pixels-in-flight``; ``--image-requests`` requests at once, each
   with 8 distinct 6320x6320 PNGs of zeros (one pixel differs), while a quiet tenant
@@ -18,6 +22,7 @@ Two cases (issue 29, items 2 and 3), each against a real engine process on loopb
 
 Prints a table and writes benchmarks/results/tenant_pressure.json.
 Usage: python benchmarks/tenant_pressure.py [--only prefill|images] [--quiet-requests 20]
+       [--before-root ../checkout-before --before-quiet-requests 5]
        [--max-image-pixels 0 --engine-root ../other-checkout]   (the images case on an older engine)
 """
 
@@ -112,53 +117,84 @@ async def quiet_requests(url: str, count: int, tenant: str | None, stop: asyncio
 
 # --------------------------------------------------------------------------- prefill
 
-async def heavy_prompts(url: str, tokens: int, streams: int, tenant: str | None, stop: asyncio.Event) -> int:
-    """Keep ``streams`` prompts of ``tokens`` distinct token ids in flight until ``stop``."""
+def heavy_prompt(tokens: int, k: int) -> list[int]:
+    """``tokens`` distinct-looking token ids; a different ``k``, a different prompt."""
+    base = 1000 + (k * 7919) % 20000
+    return [base + (i * 13) % 20000 for i in range(tokens)]
+
+
+async def cold_prefill(url: str, prompt: list[int]) -> float:
+    """Seconds for one prompt alone (``max_tokens: 1``): a lone long prompt's throughput."""
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        start = time.perf_counter()
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                                     headers={TENANT_HEADER: "heavy"})
+        response.raise_for_status()
+        return time.perf_counter() - start
+
+
+async def heavy_prompts(url: str, prefix: list[int], new_tokens: int, streams: int, tenant: str | None,
+                        stop: asyncio.Event) -> int:
+    """Keep ``streams`` prompts in flight until ``stop``: ``prefix`` (cached by the cold
+    prefill) then ``new_tokens`` distinct ones, so each computes ``new_tokens`` at long
+    context. Returns how many were answered."""
     headers = {TENANT_HEADER: tenant} if tenant else {}
-    sent = 0
+    done = 0
 
     async def one_stream(k: int) -> None:
-        nonlocal sent
-        async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+        nonlocal done
+        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
             n = 0
             while not stop.is_set():
-                base = 1000 + (k * 7919 + n * 104729) % 20000
-                prompt = [base + (i * 13) % 20000 for i in range(tokens)]  # never a prefix-cache hit
+                prompt = prefix + heavy_prompt(new_tokens, 1 + k * 1000 + n)  # never a hit past the prefix
                 n += 1
-                sent += 1
-                await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=headers)
+                response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                                             headers=headers)
+                done += response.status_code == 200
 
     tasks = [asyncio.create_task(one_stream(k)) for k in range(streams)]
     await stop.wait()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return sent
+    return done
 
 
-async def loaded(url: str, args: argparse.Namespace, count: int, header: bool) -> tuple[list[float], int]:
+async def loaded(url: str, args: argparse.Namespace, prefix: list[int], count: int, header: bool,
+                 ) -> tuple[list[float], int, float]:
     stop = asyncio.Event()
-    heavy = asyncio.create_task(heavy_prompts(url, args.heavy_tokens, args.heavy_streams,
+    heavy = asyncio.create_task(heavy_prompts(url, prefix, args.heavy_new_tokens, args.heavy_streams,
                                               "heavy" if header else None, stop))
     await asyncio.sleep(args.heavy_head_start)  # the heavy prompts are in the engine first
+    start = time.perf_counter()
     times = await quiet_requests(url, count, "quiet" if header else None)
+    elapsed = time.perf_counter() - start
     stop.set()
-    return times, await heavy
+    return times, await heavy, elapsed
 
 
-def case_prefill(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def case_prefill(args: argparse.Namespace, workdir: Path, root: Path, quiet: int) -> dict[str, Any]:
+    """One engine (the checkout ``root``): the quiet tenant idle, a lone cold prefill of
+    ``--heavy-tokens``, then the quiet tenant while the heavy tenant's prompts (that
+    prompt's first ``heavy_tokens - heavy_new_tokens`` tokens, cached, then new ones)
+    keep the engine computing at long context."""
     flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", "2",
              "--max-model-len", str(args.heavy_tokens + 64)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
-    with engine(*flags, log=workdir / "engine-prefill.log") as (url, _):
+    cold = heavy_prompt(args.heavy_tokens, 0)
+    with engine(*flags, log=workdir / f"engine-prefill-{root.name}.log", root=root) as (url, _):
         asyncio.run(quiet_requests(url, 3, "quiet"))  # warm-up
-        idle = asyncio.run(quiet_requests(url, args.quiet_requests, "quiet"))
-        fair, heavy_fair = asyncio.run(loaded(url, args, args.quiet_requests, header=True))
-        fcfs, heavy_fcfs = (asyncio.run(loaded(url, args, args.fcfs_requests, header=False))
-                            if args.fcfs_requests else ([], 0))
-    result: dict[str, Any] = {"idle": percentiles(idle), "tenant_header": percentiles(fair),
-                              "heavy_prompts_sent": heavy_fair + heavy_fcfs}
+        idle = asyncio.run(quiet_requests(url, quiet, "quiet"))
+        time.sleep(args.pause)  # past the scheduler's window: the quiet tenant no longer counts as active
+        cold_s = asyncio.run(cold_prefill(url, cold))
+        prefix = cold[: args.heavy_tokens - args.heavy_new_tokens]
+        fair, heavy_done, seconds = asyncio.run(loaded(url, args, prefix, quiet, header=True))
+        fcfs, _, _ = (asyncio.run(loaded(url, args, prefix, args.fcfs_requests, header=False))
+                      if args.fcfs_requests else ([], 0, 0.0))
+    result: dict[str, Any] = {"root": str(root), "idle": percentiles(idle), "tenant_header": percentiles(fair),
+                              "cold_prefill_s": cold_s, "heavy_answered_while_loaded": heavy_done,
+                              "loaded_seconds": seconds}
     result["p99_ratio_tenant_header"] = result["tenant_header"]["p99_ms"] / result["idle"]["p99_ms"]
     if fcfs:
         result["shared_key_fcfs"] = percentiles(fcfs)
@@ -250,9 +286,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("prefill", "images"), default=None)
     parser.add_argument("--quiet-requests", type=int, default=20)
-    parser.add_argument("--fcfs-requests", type=int, default=3,
-                        help="quiet requests in the shared-key (FCFS) run, slow; 0 skips it")
+    parser.add_argument("--fcfs-requests", type=int, default=0,
+                        help="quiet requests in a shared-key (FCFS) run, slow; 0 (default) skips it")
     parser.add_argument("--heavy-tokens", type=int, default=8000)
+    parser.add_argument("--heavy-new-tokens", type=int, default=1000,
+                        help="tokens of each loaded heavy prompt past its cached prefix (computed at long context)")
+    parser.add_argument("--pause", type=float, default=11.0,
+                        help="seconds between the idle quiet requests and the cold prefill (the scheduler's "
+                        "fairness window is 10 s)")
+    parser.add_argument("--before-root", type=Path, default=None,
+                        help="prefill case: first on this checkout's engine (a before/after in one run)")
+    parser.add_argument("--before-quiet-requests", type=int, default=None,
+                        help="quiet requests on --before-root (default: --quiet-requests)")
     parser.add_argument("--heavy-streams", type=int, default=2)
     parser.add_argument("--heavy-head-start", type=float, default=2.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -268,7 +313,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="prefixgate-tenant-pressure-") as tmp:
         workdir = Path(tmp)
         if args.only in (None, "prefill"):
-            results["prefill"] = case_prefill(args, workdir)
+            if args.before_root is not None:  # the same run: before, then this checkout
+                results["prefill_before"] = case_prefill(args, workdir, args.before_root,
+                                                         args.before_quiet_requests or args.quiet_requests)
+                print(json.dumps({"prefill_before": results["prefill_before"]}), flush=True)
+            results["prefill"] = case_prefill(args, workdir, ROOT, args.quiet_requests)
         if args.only in (None, "images"):
             results["images"] = case_images(args, workdir)
     results["load_after"] = os.getloadavg()[0]
@@ -280,10 +329,14 @@ def main() -> int:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"load {r['load_before']:.1f} -> {r['load_after']:.1f}, {r['cpus']} cpus")
-    if "prefill" in r:
-        p = r["prefill"]
-        print(f"quiet tenant TTFT (max_tokens 1) while another sends {r['args']['heavy_tokens']}-token prompts "
-              f"(budget {r['args']['max_num_batched_tokens']} tokens/step):")
+    for key in ("prefill_before", "prefill"):
+        if key not in r:
+            continue
+        p = r[key]
+        print(f"{key} ({p['root']}): quiet tenant TTFT (max_tokens 1) while another sends "
+              f"{r['args']['heavy_tokens']}-token prompts (budget {r['args']['max_num_batched_tokens']} tokens/step); "
+              f"cold {r['args']['heavy_tokens']}-token prefill alone {p['cold_prefill_s']:.1f} s; "
+              f"heavy prompts answered while loaded {p['heavy_answered_while_loaded']} in {p['loaded_seconds']:.0f} s")
         print(f"  {'case':<28} {'n':>4} {'p50 ms':>10} {'p99 ms':>10} {'p99/idle':>9}")
         idle = p["idle"]["p99_ms"]
         for name in ("idle", "tenant_header", "shared_key_fcfs"):

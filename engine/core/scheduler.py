@@ -13,13 +13,36 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_token
    is left of the budget, water-filled: a tenant needing less than its share
    leaves the rest to the others. Tenants are served least recently served first,
    so a tenant that just arrived is in the very next forward, beside (not behind)
-   another tenant's long prompt: one tenant's long prompts delay another's short
-   request by at most the forward already under way. Within a tenant, the oldest
-   request takes the tenant's share first (its chunk takes all of it until its
-   last chunk), as before. In the step where a tenant arrives beside tenants
-   already prefilling, every tenant gets at most the newcomer's demand, so that
-   forward costs about what the newcomer's costs alone (never two such steps in a
-   row: the others keep at least every other full step).
+   another tenant's long prompt. Within a tenant, the oldest request takes the
+   tenant's share first (its chunk takes all of it until its last chunk).
+
+Each step also has a cost budget, because a token's forward grows with its
+context: :func:`chunk_cost` counts a token at context ``c`` as ``max(1, c /
+context_cost_tokens)`` tokens (attention over a long context dominates: with the
+bundled model in bfloat16 on 2 CPU threads, measured on a loaded VM, a token at
+1k / 2k / 4k / 8k context costs about 2 / 4-12 / 25-40 / 40-60 times one at the
+start; ``CONTEXT_COST_TOKENS`` = 256 says 4 / 8 / 16 / 32). Prefill chunks are cut so that the step's cost (its decodes
+included) stays within the cost budget; the step's first prefill chunk gets at
+least one token, so prefill always progresses. The cost budget is:
+
+* ``max_num_batched_tokens`` by default: no forward costs much more than a full
+  budget of short-context tokens, however long the context (a request arriving
+  while a lone long prompt prefills waits for at most that);
+* while a tenant that had prefill work within the last ``fair_window_s`` seconds
+  has none now (between its requests, or decoding) and others prefill: the
+  smallest demand such a tenant arrived with, but at least ``min(MIN_STEP_COST,
+  max_num_batched_tokens)``. A short request of a tenant that keeps sending them
+  so waits for at most a forward about as costly as its own, then runs in a
+  forward of its own cost: its time to first token stays within about twice its
+  cost alone, while the long prompts keep the forwards in between. (A request
+  arriving after a longer pause waits for at most one forward of the default
+  budget.) Tenants prefilling side by side share the step's cost equally.
+
+In the step where a tenant arrives (none of its requests had prefill work in the
+previous step: also a tenant whose last request just finished) beside tenants
+already prefilling, only the newcomers prefill, so that forward costs about
+what theirs cost alone (never two such steps in a row: the others keep at least
+every other step).
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -62,13 +85,18 @@ Invariants:
   ``num_computed_tokens`` (a waiting one holds no block), except a segmented
   request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests);
+  those remembered for the cost budget had prefill work within ``fair_window_s``;
 * a compressed request (``req.packed``) is exact until its prefill ends; then
   :meth:`Scheduler.compress` swaps its blocks for packed ones and its reservation
   for the packed one; preempted, it is exact again (recomputed, then compressed).
+* a step's prefill chunks cost at most what its cost budget leaves after its decodes,
+  except a step's first prefill chunk, which gets at least one token.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +110,33 @@ from engine.model.packed_kv import PackedKV
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
+CONTEXT_COST_TOKENS = 256
+"""Past this context a token's forward costs ``context / CONTEXT_COST_TOKENS`` short ones."""
+MIN_STEP_COST = 32
+"""The least cost budget (in short-context tokens) a step gets while tenants share."""
+FAIR_WINDOW_S = 10.0
+"""How long a tenant counts as active after its last prefill work."""
+
+
+def chunk_cost(start: int, n: int, context_cost_tokens: int) -> float:
+    """The estimated cost of computing tokens ``[start, start + n)``, in tokens at short
+    context: each token counts ``max(1, context / context_cost_tokens)``, its context
+    taken as the chunk's end (an upper bound)."""
+    return n * max(1.0, (start + n) / context_cost_tokens)
+
+
+def tokens_within(start: int, cost: float, context_cost_tokens: int) -> int:
+    """The most tokens from ``start`` whose :func:`chunk_cost` is at most ``cost``."""
+    if cost < 1:
+        return 0
+    k = context_cost_tokens
+    n = int((-start + math.sqrt(start * start + 4 * cost * k)) / 2)  # n * (start + n) / k <= cost
+    n = max(n, min(int(cost), k - start))  # short context: one per token
+    while n > 0 and chunk_cost(start, n, k) > cost:
+        n -= 1
+    while chunk_cost(start, n + 1, k) <= cost:
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -132,15 +187,25 @@ class SchedulerOutput:
 class _Step:
     """One step being planned: its output, the budget left, who is already scheduled."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, context_cost_tokens: int) -> None:
         self.out = SchedulerOutput()
         self.budget = budget
+        self.cost = float(budget)  # the cost budget left
+        self.context_cost_tokens = context_cost_tokens
         self.requests: set[EngineRequest] = set()
+        self.num_decodes = 0  # set once the decodes are scheduled
+
+    def most_tokens(self, start: int, cost: float) -> int:
+        """The most tokens from ``start`` costing at most ``cost`` (at least one for the
+        step's first prefill chunk)."""
+        n = tokens_within(start, cost, self.context_cost_tokens)
+        return n if n or len(self.out.scheduled) > self.num_decodes else 1
 
     def add(self, seq: ScheduledSequence) -> None:
         self.out.scheduled.append(seq)
         self.requests.add(seq.request)
         self.budget -= seq.num_new_tokens
+        self.cost -= chunk_cost(seq.start, seq.num_new_tokens, self.context_cost_tokens)
 
 
 def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None, int]:
@@ -164,6 +229,18 @@ def _last_chunk_guard(req: EngineRequest, n: int, computed: int | None = None) -
     return n
 
 
+def _cost_shares(costs: dict[str | None, float], budget: float, only: set[str | None]) -> dict[str | None, float]:
+    """Equal shares of the cost ``budget``, water-filled, between the tenants in ``only``
+    (all of them when empty); the others get none."""
+    shares = dict.fromkeys(costs, 0.0)
+    left = len(only or costs)
+    for tenant in sorted(only or costs, key=lambda t: costs[t]):
+        shares[tenant] = min(costs[tenant], budget / left)
+        budget -= shares[tenant]
+        left -= 1
+    return shares
+
+
 class Scheduler:
     """Continuous batching under a token budget and a block budget, fair between tenants."""
 
@@ -175,11 +252,14 @@ class Scheduler:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         model: str = "model",
+        context_cost_tokens: int = CONTEXT_COST_TOKENS,
+        fair_window_s: float = FAIR_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or context_cost_tokens < 1:
             raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be >= 1, got "
-                f"{max_num_seqs!r} and {max_num_batched_tokens!r}"
+                f"max_num_seqs, max_num_batched_tokens and context_cost_tokens must be >= 1, got "
+                f"{max_num_seqs!r}, {max_num_batched_tokens!r} and {context_cost_tokens!r}"
             )
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -196,8 +276,13 @@ class Scheduler:
         self.modules = ModuleAssembler(kv_cache_manager, model)
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
-        self._capped_last = False  # the previous step's prefill was capped for a newcomer
-        self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
+        self._capped_last = False  # only newcomers prefilled in the previous step
+        self._prefilling_before: set[EngineRequest] = set()  # requests with prefill work in the previous step
+        self.context_cost_tokens = context_cost_tokens
+        self.fair_window_s = fair_window_s
+        self.clock = clock
+        # tenant -> (the cost of the demand it arrived with, when it last had prefill work)
+        self._active: dict[str | None, tuple[float, float]] = {}
 
     def reservation(self, req: EngineRequest) -> int:
         """Blocks set aside for a request at admission (a compressed one's, once packed:
@@ -221,40 +306,57 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work and reserve its slots (see the module docstring)."""
         self.num_steps += 1
-        step = _Step(self.max_num_batched_tokens)
+        step = _Step(self.max_num_batched_tokens, self.context_cost_tokens)
         for req in list(self.running):
             if step.budget <= 0:
                 break
             if req.num_uncomputed_tokens == 1 and req in self.running:
                 self._run(req, 1, step)
+        step.num_decodes = len(step.out.scheduled)
         queues = self._prefill_queues()
         order = sorted(queues, key=lambda t: self._last_served.get(t, -1))
         demands = {t: sum(r.num_uncomputed_tokens for r in queues[t]) for t in order}
-        step.budget = self._newcomer_cap(demands, step.budget)
+        costs = {t: sum(chunk_cost(r.num_computed_tokens, r.num_uncomputed_tokens, self.context_cost_tokens)
+                        for r in queues[t]) for t in order}
+        decodes_cost = self.max_num_batched_tokens - step.cost
+        cap, newcomers = self._cost_budget(queues, costs)
+        step.cost = cap - decodes_cost
         shares = _water_fill(demands, step.budget)
-        carry = 0
+        cost_shares = _cost_shares(costs, step.cost, newcomers)
+        carry, cost_carry = 0, 0.0
         for tenant in order:
             allowance = min(shares[tenant] + carry, step.budget)
-            used = self._prefill_tenant(queues[tenant], allowance, step)
+            cost_allowance = cost_shares[tenant] + (cost_carry if not newcomers or tenant in newcomers else 0.0)
+            cost_before = step.cost
+            used = self._prefill_tenant(queues[tenant], allowance, cost_allowance, step)
             carry = allowance - used
+            cost_carry = max(0.0, cost_allowance - (cost_before - step.cost))
             if used:
                 self._last_served[tenant] = self.num_steps
         for tenant in [t for t in self._last_served if t not in queues]:
             del self._last_served[tenant]
         return step.out
 
-    def _newcomer_cap(self, demands: dict[str | None, int], budget: int) -> int:
-        """The prefill budget of this step: when a tenant arrives (no prefill work in the
-        previous step) beside tenants already prefilling, the step gives every tenant at
-        most the newcomers' largest demand, so the newcomer's first forward costs about
-        what it costs alone; never two such steps in a row, so the others lose at most
-        every other full step to newcomers."""
-        new = [d for t, d in demands.items() if t not in self._prefilling_before]
-        capped = bool(new) and len(new) < len(demands) and not self._capped_last
-        cap = max(new) * len(demands) if capped else budget
-        self._capped_last = cap < budget
-        self._prefilling_before = set(demands)
-        return min(cap, budget)
+    def _cost_budget(self, queues: dict[str | None, list[EngineRequest]], costs: dict[str | None, float],
+                     ) -> tuple[float, set[str | None]]:
+        """This step's cost budget (decodes included) and the tenants that alone may
+        prefill in it (none: all of them), from each tenant's prefill demand, cost counted
+        (see the module docstring). Remembers who arrived and who is active."""
+        now = self.clock()
+        new = {t for t, queue in queues.items() if self._prefilling_before.isdisjoint(queue)}
+        newcomers_only = bool(new) and len(new) < len(costs) and not self._capped_last
+        self._capped_last = newcomers_only
+        for tenant, cost in costs.items():
+            arrived = tenant in new or tenant not in self._active
+            self._active[tenant] = (cost if arrived else self._active[tenant][0], now)
+        for tenant in [t for t, (_, seen) in self._active.items() if now - seen > self.fair_window_s]:
+            del self._active[tenant]
+        self._prefilling_before = {r for queue in queues.values() for r in queue}
+        budget = float(self.max_num_batched_tokens)
+        away = [cost for t, (cost, _) in self._active.items() if t not in costs]
+        if away and costs:
+            budget = min(budget, max(min(away), min(MIN_STEP_COST, budget)))
+        return budget, new if newcomers_only else set()
 
     def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:
         """Each tenant's prefill work in order: its running prefilling requests (admission
@@ -267,18 +369,24 @@ class Scheduler:
             queues.setdefault(req.tenant, []).append(req)
         return queues
 
-    def _prefill_tenant(self, queue: list[EngineRequest], allowance: int, step: _Step) -> int:
-        """Give up to ``allowance`` tokens to one tenant's queue, oldest first; the tokens used."""
+    def _prefill_tenant(self, queue: list[EngineRequest], allowance: int, cost_allowance: float,
+                        step: _Step) -> int:
+        """Give up to ``allowance`` tokens costing up to ``cost_allowance`` to one tenant's
+        queue, oldest first; the tokens used."""
         used = 0
+        cost_end = step.cost - cost_allowance  # the step's cost left once this tenant is done
         for req in queue:
             if used >= allowance or step.budget <= 0:
                 break
             n = _last_chunk_guard(req, min(req.num_uncomputed_tokens, allowance - used, step.budget))
             if req in self.running:
+                n = min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end))
+                if n <= 0:
+                    break
                 if self._run(req, n, step):
                     used += n
             elif req in self.waiting:
-                admitted = self._admit(req, n, step)
+                admitted = self._admit(req, n, step, step.cost - cost_end)
                 if admitted is None:
                     break  # stops admission for this tenant (FCFS within a tenant)
                 used += admitted
@@ -293,9 +401,10 @@ class Scheduler:
         step.add(ScheduledSequence(req, req.num_computed_tokens, n))
         return True
 
-    def _admit(self, req: EngineRequest, most: int, step: _Step) -> int | None:
+    def _admit(self, req: EngineRequest, most: int, step: _Step, cost: float) -> int | None:
         """Admit a waiting request with a first chunk of at most ``most`` tokens beyond its
-        hit; the tokens scheduled, or None when it cannot be admitted in this step."""
+        hit, costing at most ``cost``; the tokens scheduled, or None when it cannot be
+        admitted in this step."""
         if len(self.running) >= self.max_num_seqs:
             return None
         need = self.reservation(req)
@@ -310,7 +419,10 @@ class Scheduler:
             hits, num_cached = hits[:-1], num_cached - self.block_size
         if self._next_block_in_progress(req, num_cached):
             return None
-        n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most), num_cached)
+        n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most, step.most_tokens(num_cached, cost)),
+                              num_cached)
+        if n <= 0:
+            return None
         assembled = self._assembles(req)
         if assembled:
             if not self.modules.admit(req, hits, num_cached):

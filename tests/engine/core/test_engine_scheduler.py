@@ -12,7 +12,7 @@ import pytest
 from engine.core.engine_request import EngineRequest
 from engine.core.output_stream import GenerationRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import MIN_STEP_COST, Scheduler, chunk_cost, tokens_within
 from engine.kvcache.kv_cache_manager import KVCacheManager
 
 BS = 4
@@ -114,11 +114,11 @@ def test_a_short_request_of_another_tenant_runs_in_the_next_step_beside_a_long_p
     finish_step(sched, sched.schedule())
     sched.add(short)
     out = sched.schedule()
-    # q first (served least recently); a's chunk no larger than q's: the step costs about q's alone
-    assert plan_of(out, names) == [("q", 0, 3), ("a", 10, 3)]
+    # q first (served least recently), alone: the step costs what q's costs alone
+    assert plan_of(out, names) == [("q", 0, 3)]
     finish_step(sched, out)
     out = sched.schedule()
-    assert plan_of(out, names) == [("q", 3, 1), ("a", 13, 9)]  # q decodes first; b still waits behind a
+    assert plan_of(out, names) == [("q", 3, 1), ("a", 10, 9)]  # q decodes first; b still waits behind a
 
 
 def test_newcomers_never_cap_two_steps_in_a_row():
@@ -130,12 +130,12 @@ def test_newcomers_never_cap_two_steps_in_a_row():
     for i in range(4):  # a new tenant every step
         sched.add(request(2, max_tokens=1, offset=200 + 10 * i, tenant=f"Q{i}"))
         out = sched.schedule()
-        sizes.append(next(s.num_new_tokens for s in out.scheduled if s.request is heavy))
+        sizes.append(sum(s.num_new_tokens for s in out.scheduled if s.request is heavy))
         answered = [s.request for s in out.scheduled if s.request is not heavy and s.samples]
         finish_step(sched, out)
         for req in answered:  # max_tokens=1: done after its first token
             sched.finish(req)
-    assert sizes == [2, 8, 2, 8]  # capped to the newcomer's 2 tokens, then a full share
+    assert sizes == [0, 8, 0, 8]  # the newcomer's 2 tokens alone, then a full share
 
 
 def test_tenants_with_long_prompts_share_each_step_equally():
@@ -229,7 +229,8 @@ def test_random_tenants_keep_every_invariant(seed):
         assert len(sched.running) <= sched.max_num_seqs
         assert sched.reserved_blocks <= sched.num_blocks
         tenants = {r.tenant for r in sched.all_requests()}
-        assert set(sched._last_served) <= tenants and sched._prefilling_before <= tenants  # bounded by the work
+        assert set(sched._last_served) <= tenants  # bounded by the work
+        assert sched._prefilling_before <= set(sched.all_requests())
         for s in out.scheduled:
             assert s.request in sched.running and s.start == s.request.num_computed_tokens
             assert s.start == computed_before.get(s.request, s.start)
@@ -257,4 +258,103 @@ def test_a_tenant_that_cannot_be_admitted_is_a_newcomer_once():
         out = sched.schedule()
         sizes.append(out.num_tokens)
         finish_step(sched, out)
-    assert sizes == [4, 10, 10, 10]
+    assert sizes == [1, 10, 10, 10]  # a newcomers' step once (A's one token: prefill always progresses)
+
+
+def step_cost(out, k):
+    return sum(chunk_cost(s.start, s.num_new_tokens, k) for s in out.scheduled)
+
+
+def test_chunk_cost_and_tokens_within_agree():
+    for k in (1, 8, 512):
+        for start in (0, 5, 100, 8000):
+            for cost in (0.5, 1, 7, 32, 512):
+                n = tokens_within(start, cost, k)
+                assert chunk_cost(start, n, k) <= cost < chunk_cost(start, n + 1, k)
+    assert chunk_cost(0, 16, 16) == 16 and chunk_cost(16, 16, 16) == 32  # context past k costs more
+
+
+def test_a_lone_long_prompt_gets_chunks_of_bounded_cost():
+    sched = make(max_num_batched_tokens=16, context_cost_tokens=16)
+    req = request(100, max_tokens=1)
+    sched.add(req)
+    chunks = []
+    while req.num_uncomputed_tokens > 0 and not req.kv.output_token_ids:
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        assert step_cost(out, 16) <= 16
+        finish_step(sched, out)
+    assert chunks[:3] == [16, 9, 7]  # 16 at short context, then fewer as the context grows
+    assert sum(chunks) == 100 and min(chunks[:-1]) >= 2
+
+
+def test_the_first_prefill_chunk_gets_a_token_whatever_it_costs():
+    sched = make(max_num_batched_tokens=4, context_cost_tokens=1)
+    req = request(30, max_tokens=1)
+    sched.add(req)
+    sizes = []
+    for _ in range(6):
+        out = sched.schedule()
+        sizes.append(out.num_tokens)
+        finish_step(sched, out)
+    assert sizes == [2, 1, 1, 1, 1, 1]  # past the first two, one token costs more than 4: one per step, never 0
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_quiet_tenant_waits_for_forwards_about_as_costly_as_its_own():
+    """While tenant Q keeps sending short requests beside tenant A's long prompt (its
+    context costing far more per token), every forward costs at most about what Q's
+    request costs (at least MIN_STEP_COST), Q's own forward costs no more than Q's
+    request, and A gets the forwards in between; once Q has been away for the window,
+    A's forwards take the whole budget again."""
+    k, budget = 8, 128
+    clock = Clock()
+    sched = make(num_blocks=400, max_num_batched_tokens=budget, context_cost_tokens=k, clock=clock)
+    heavy = request(1000, max_tokens=1, tenant="A")
+    sched.add(heavy)
+    for _ in range(3):
+        out = sched.schedule()
+        assert step_cost(out, k) <= budget
+        finish_step(sched, out)
+    quiet_cost = chunk_cost(0, 12, k)  # 18: a 12-token prompt, past k
+    heavy_between = []
+    for i in range(4):
+        quiet = request(12, max_tokens=1, offset=3000 + 100 * i, tenant="Q")
+        sched.add(quiet)
+        out = sched.schedule()  # Q's arrival: Q alone, its whole prompt
+        assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(quiet, 12)]
+        assert step_cost(out, k) == quiet_cost
+        finish_step(sched, out)
+        sched.finish(quiet)
+        for _ in range(1 + i % 2):  # until Q's next request: A alone, in forwards of Q's size
+            out = sched.schedule()
+            assert [s.request for s in out.scheduled] == [heavy]
+            assert step_cost(out, k) <= max(quiet_cost, MIN_STEP_COST)
+            heavy_between.append(out.num_tokens)
+            finish_step(sched, out)
+            clock.now += 1
+    assert all(n >= 1 for n in heavy_between)  # A always progresses
+    clock.now += sched.fair_window_s + 1  # Q gone for the window: A alone again
+    out = sched.schedule()
+    assert step_cost(out, k) > budget - heavy.num_computed_tokens / k - 1 > MIN_STEP_COST
+    assert set(sched._active) == {"A"}  # Q forgotten after the window
+
+
+def test_tenants_with_long_prompts_are_not_slowed_by_each_other():
+    k, budget = 8, 64
+    sched = make(num_blocks=400, max_num_batched_tokens=budget, context_cost_tokens=k)
+    a, b = request(600, max_tokens=1, tenant="A"), request(600, max_tokens=1, offset=1000, tenant="B")
+    sched.add(a)
+    sched.add(b)
+    for _ in range(8):  # both arrived with long prompts: the full cost budget, shared
+        out = sched.schedule()
+        assert budget - 2 * (a.num_computed_tokens + 64) / k <= step_cost(out, k) <= budget
+        assert {s.request for s in out.scheduled} == {a, b}
+        finish_step(sched, out)
