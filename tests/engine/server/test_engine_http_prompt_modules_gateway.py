@@ -103,3 +103,59 @@ def test_segment_reuse_passes_through_the_gateway(stack, tiny_engine):
         sdk.chat.completions.create(model=tiny_engine.model_id, messages=messages, max_tokens=2,
                                     extra_body={"segment_reuse": "yes"})
     assert info.value.body["param"] == "segment_reuse"
+
+
+def _gateway_state(gateway: _Gateway):
+    return gateway.server.config.app.state.gateway
+
+
+@pytest.fixture
+def quota_stack(tiny_engine, tmp_path):
+    """The tiny engine behind the gateway; yields (gateway URL, gateway state, engine registry)."""
+    with serve(tiny_engine, api_key=KEY) as engine:
+        db_url = default_db_url(tmp_path)
+        upgrade(db_url)
+        settings = GatewaySettings(upstream=engine.base_url, secret=b"pml-secret-0123456789abcdef012345",
+                                   db_url=db_url, data_dir=tmp_path, upstream_api_key=KEY)
+        gateway = _Gateway(settings)
+        with gateway as url:
+            yield url, _gateway_state(gateway), engine.server.config.app.state.handler.prompt_modules.registry
+
+
+def test_one_tenant_cannot_fill_the_schema_registry_for_others(quota_stack, tiny_engine):
+    gateway_url, state, registry = quota_stack
+    state.schema_quota.max_namespaces = 2
+    with _http(gateway_url, ALICE) as greedy, _http(gateway_url, BOB) as bob:
+        for salt in ("a", "b"):
+            assert greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": salt}).status_code == 200
+        # The gateway's per-tenant quota: a third client salt is refused before the engine is asked.
+        refused = greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "c"})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == {"message": refused.json()["error"]["message"], "param": "cache_salt",
+                                           "type": "invalid_request_error", "code": "schema_limit"}
+        assert len(registry.owner_usage()) == 1 and registry.total_tokens > 0
+        # Replacing under a held salt is no new namespace; deleting a salt's last schema frees it.
+        assert greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "a"}).status_code == 200
+        assert greedy.delete("/v1/prompt_schemas/rag", params={"cache_salt": "b"}).status_code == 200
+        assert greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "c"}).status_code == 200
+        state.schema_quota.check_integrity()
+
+        # Past the gateway (a quota raised, or several gateway workers), the engine shares its
+        # bounds fairly: the tenant alone fills them and is refused, a newcomer evicts its oldest.
+        state.schema_quota.max_namespaces = 100
+        registry.max_salts = 3
+        assert greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "d"}).status_code == 200
+        full = greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "e"})
+        assert full.status_code == 429 and full.json()["error"]["code"] == "schema_store_full"
+        assert bob.post("/v1/prompt_schemas", json={"pml": SCHEMA.replace("dusk", "noon")}).status_code == 200
+        assert [s["name"] for s in bob.get("/v1/prompt_schemas").json()["data"]] == ["rag"]
+        assert greedy.get("/v1/prompt_schemas", params={"cache_salt": "a"}).json()["data"] == []  # evicted
+        assert [s["name"] for s in greedy.get("/v1/prompt_schemas", params={"cache_salt": "d"}).json()["data"]] \
+            == ["rag"]
+        assert registry.evicted == 1 and sorted(n for n, _ in registry.owner_usage().values()) == [1, 2]
+        registry.check_integrity()
+    # Bob's schema serves his prompts.
+    sdk = openai.OpenAI(base_url=gateway_url + "/v1", api_key=BOB, max_retries=0, timeout=120)
+    out = sdk.completions.create(model=tiny_engine.model_id, prompt=PROMPT, max_tokens=2,
+                                 extra_body={"prompt_format": "pml"})
+    assert out.usage.prompt_tokens > 40
