@@ -15,7 +15,8 @@ reached), the schema is deleted again from the replicas that had accepted it and
 the refusal is relayed (a schema it replaced there is then gone on those replicas
 too: the client retries or registers again). A tenant may hold schemas under at most
 ``quota.max_namespaces`` client salts (:mod:`gateway.policy.schema_quota`), checked
-before any replica is asked. Listing asks the first replica. Only an
+before any replica is asked. Listing asks the first replica. Each registered
+schema's size goes to the router (:mod:`gateway.routing.schema_affinity`). Only an
 upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
 routes; other kinds answer 404 ``not_supported``. Not inference: no stats row.
 """
@@ -102,8 +103,11 @@ class PromptSchemaRoutes:
                 await self._roll_back(accepted, salt, tenant)
                 raise
             answer = accepted[0][1]
-            if isinstance(answer.get("name"), str):
-                self.quota.registered(tenant.name, client_salt, answer["name"])
+            name, tokens = answer.get("name"), answer.get("tokens")
+            if isinstance(name, str):
+                self.quota.registered(tenant.name, client_salt, name)
+                if isinstance(tokens, int):
+                    self.replicas.affinity.registered(salt.get("cache_salt"), name, tokens)
         return _json(answer)
 
     async def _roll_back(self, accepted: list[tuple[Replica, dict[str, Any]]], params: dict[str, str],
@@ -131,6 +135,7 @@ class PromptSchemaRoutes:
         params = self._salt(tenant, client_salt)
         name = request.path_params["name"]
         self.quota.deleted(tenant.name, client_salt, name)
+        self.replicas.affinity.deleted(params.get("cache_salt"), name)
         path = f"{PATH}/{quote(name, safe='')}"
         answers = [await replica.upstream.call("DELETE", path, params=params, tenant=tenant.name)
                    for replica in self.replicas.replicas]
