@@ -14,8 +14,9 @@ to any). Registration is all or nothing: when a replica refuses (or cannot be
 reached), the schema is deleted again from the replicas that had accepted it and
 the refusal is relayed (a schema it replaced there is then gone on those replicas
 too: the client retries or registers again). A tenant may hold schemas under at most
-``quota.max_namespaces`` client salts (:mod:`gateway.policy.schema_quota`), checked
-before any replica is asked. Listing asks the first replica. Each registered
+``quota.max_namespaces`` client salts, checked before any replica is asked, and at
+most ``quota.max_tokens`` module tokens, checked on the answer (a registration past
+them is rolled back the same way; :mod:`gateway.policy.schema_quota`). Listing asks the first replica. Each registered
 schema's size goes to the router (:mod:`gateway.routing.schema_affinity`). Only an
 upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
 routes; other kinds answer 404 ``not_supported``. Not inference: no stats row.
@@ -34,7 +35,7 @@ from starlette.responses import Response
 from engine.contract.body_reader import BodyReader
 from engine.contract.limits import cache_salt_problem
 from gateway.config.config_file import Tenant
-from gateway.errors import GatewayError, InvalidRequest, NotFound
+from gateway.errors import GatewayError, InvalidRequest, NotFound, UpstreamError
 from gateway.policy.authenticator import Authenticator
 from gateway.policy.salt import derive_cache_salt
 from gateway.policy.schema_quota import SchemaQuota
@@ -99,15 +100,15 @@ class PromptSchemaRoutes:
                 for replica in self.replicas.replicas:
                     accepted.append((replica, await replica.upstream.call("POST", PATH, content=content,
                                                                           tenant=tenant.name)))
+                answer = accepted[0][1]
+                name, tokens = answer.get("name"), answer.get("tokens")
+                if not isinstance(name, str) or isinstance(tokens, bool) or not isinstance(tokens, int):
+                    raise UpstreamError("the upstream's prompt schema answer has no name and tokens")
+                self.quota.registered(tenant.name, client_salt, name, tokens)
             except GatewayError:
                 await self._roll_back(accepted, salt, tenant)
                 raise
-            answer = accepted[0][1]
-            name, tokens = answer.get("name"), answer.get("tokens")
-            if isinstance(name, str):
-                self.quota.registered(tenant.name, client_salt, name)
-                if isinstance(tokens, int):
-                    self.replicas.affinity.registered(salt.get("cache_salt"), name, tokens)
+        self.replicas.affinity.registered(salt.get("cache_salt"), name, tokens)
         return _json(answer)
 
     async def _roll_back(self, accepted: list[tuple[Replica, dict[str, Any]]], params: dict[str, str],

@@ -154,6 +154,19 @@ def test_one_tenant_cannot_fill_the_schema_registry_for_others(quota_stack, tiny
             == ["rag"]
         assert registry.evicted == 1 and sorted(n for n, _ in registry.owner_usage().values()) == [1, 2]
         registry.check_integrity()
+        # The gateway's token quota: known from the engine's answer, so a schema past it is deleted again.
+        tenant = state.authenticator.tenant_for(f"Bearer {ALICE}").name
+        held = state.schema_quota.tokens(tenant)
+        state.schema_quota.max_tokens = held + 1
+        before = registry.total_tokens
+        over = greedy.post("/v1/prompt_schemas", json={"pml": SCHEMA.replace('"rag"', '"rag2"'), "cache_salt": "d"})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "pml", over.text
+        assert over.json()["error"]["code"] == "schema_limit"
+        assert [s["name"] for s in greedy.get("/v1/prompt_schemas", params={"cache_salt": "d"}).json()["data"]] \
+            == ["rag"]
+        assert registry.total_tokens == before and state.schema_quota.tokens(tenant) == held
+        registry.check_integrity()
+        state.schema_quota.check_integrity()
     # Bob's schema serves his prompts.
     sdk = openai.OpenAI(base_url=gateway_url + "/v1", api_key=BOB, max_retries=0, timeout=120)
     out = sdk.completions.create(model=tiny_engine.model_id, prompt=PROMPT, max_tokens=2,
