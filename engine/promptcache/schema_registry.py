@@ -30,7 +30,7 @@ Thread-safe; no method but :meth:`put` and :meth:`delete` changes the registry.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable
 
 from engine.promptcache.pml_schema import CompiledSchema
@@ -101,42 +101,38 @@ class SchemaRegistry:
         salt when ``new_salt``); RegistryFull when fairness allows no such eviction. Changes nothing."""
         salts: Counter[Owner] = Counter(self._owner_of.values())
         tokens: Counter[Owner] = Counter()
-        queues: dict[Owner, list[tuple[str | None, str, int]]] = {}
+        queues: dict[Owner, deque[tuple[str | None, str, int]]] = {}
         for salt, schemas in self._by_salt.items():
             o = self._owner_of[salt]
             tokens[o] += sum(s.total_tokens for s in schemas.values())
-            queues.setdefault(o, []).extend((salt, name, s.total_tokens) for name, s in schemas.items())
+            queues.setdefault(o, deque()).extend((salt, name, s.total_tokens) for name, s in schemas.items())
         salts[owner] += new_salt
         tokens[owner] += added
         held_salts, total = len(self._by_salt) + new_salt, self.total_tokens + added
         victims: list[tuple[str | None, str]] = []
 
-        def heaviest(by: Counter[Owner]) -> Owner | None:
+        def heaviest(by: Counter[Owner], held: str) -> Owner:
+            """The rival holding the most by ``by``, when it holds more than ``owner``; else refused."""
             rivals = [o for o in by if o != owner and queues.get(o)]
             top = max(rivals, key=lambda o: by[o], default=None)
-            return top if top is not None and by[top] > by[owner] else None
+            if top is None or by[top] <= by[owner]:
+                raise RegistryFull(f"the engine holds {held} of schemas already and no owner holds more than "
+                                   "yours; try again after some are deleted", per_salt=False)
+            return top
 
         while held_salts > self.max_salts:
-            rival = heaviest(salts)
-            if rival is None:
-                raise RegistryFull(f"the engine holds schemas for {self.max_salts} cache salts already and "
-                                   "no owner holds more than yours; try again after some are deleted",
-                                   per_salt=False)
+            rival = heaviest(salts, f"{self.max_salts} cache salts")
             salt = queues[rival][0][0]
             while queues[rival] and queues[rival][0][0] == salt:
-                _, name, size = queues[rival].pop(0)
+                _, name, size = queues[rival].popleft()
                 victims.append((salt, name))
                 tokens[rival] -= size
                 total -= size
             salts[rival] -= 1
             held_salts -= 1
         while total > self.max_total_tokens:
-            rival = heaviest(tokens)
-            if rival is None:
-                raise RegistryFull(f"the engine holds {self.max_total_tokens} tokens of schemas already and "
-                                   "no owner holds more than yours; try again after some are deleted",
-                                   per_salt=False)
-            salt, name, size = queues[rival].pop(0)
+            rival = heaviest(tokens, f"{self.max_total_tokens} tokens")
+            salt, name, size = queues[rival].popleft()
             victims.append((salt, name))
             tokens[rival] -= size
             total -= size

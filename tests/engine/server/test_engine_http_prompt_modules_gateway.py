@@ -9,6 +9,9 @@ schemas, and a client salt only narrows the tenant's own namespace.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -25,6 +28,15 @@ SCHEMA = f'<schema name="rag"><module name="doc">{DOC}</module></schema>'
 PROMPT = '<prompt schema="rag"><doc/>When does the harbour close?</prompt>'
 
 
+@dataclass
+class Stack:
+    engine_url: str
+    gateway_url: str
+    db_url: str
+    gateway: Any  # the gateway's GatewayState
+    registry: Any  # the engine's SchemaRegistry
+
+
 @pytest.fixture
 def stack(tiny_engine, tmp_path):
     with serve(tiny_engine, api_key=KEY) as engine:
@@ -32,8 +44,10 @@ def stack(tiny_engine, tmp_path):
         upgrade(db_url)
         settings = GatewaySettings(upstream=engine.base_url, secret=b"pml-secret-0123456789abcdef012345",
                                    db_url=db_url, data_dir=tmp_path, upstream_api_key=KEY)
-        with _Gateway(settings) as gateway:
-            yield engine.base_url, gateway, db_url
+        gateway = _Gateway(settings)
+        with gateway as url:
+            yield Stack(engine.base_url, url, db_url, gateway.server.config.app.state.gateway,
+                        engine.server.config.app.state.handler.prompt_modules.registry)
 
 
 def _http(url: str, key: str) -> httpx.Client:
@@ -41,7 +55,7 @@ def _http(url: str, key: str) -> httpx.Client:
 
 
 def test_two_tenants_cannot_use_list_or_delete_each_others_schemas(stack, tiny_engine):
-    engine_url, gateway_url, db_url = stack
+    engine_url, gateway_url, db_url = stack.engine_url, stack.gateway_url, stack.db_url
     with _http(gateway_url, ALICE) as alice, _http(gateway_url, BOB) as bob, _http(engine_url, KEY) as engine:
         created = alice.post("/v1/prompt_schemas", json={"pml": SCHEMA, "cache_salt": "ignored-by-the-gateway"})
         assert created.status_code == 200, created.text
@@ -92,7 +106,7 @@ def test_two_tenants_cannot_use_list_or_delete_each_others_schemas(stack, tiny_e
 
 
 def test_segment_reuse_passes_through_the_gateway(stack, tiny_engine):
-    _engine_url, gateway_url, _db_url = stack
+    gateway_url = stack.gateway_url
     sdk = openai.OpenAI(base_url=gateway_url + "/v1", api_key=ALICE, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": [{"type": "text", "text": DOC}, {"type": "text", "text": "When?"}]}]
     plain = sdk.chat.completions.create(model=tiny_engine.model_id, messages=messages, max_tokens=2)
@@ -105,25 +119,8 @@ def test_segment_reuse_passes_through_the_gateway(stack, tiny_engine):
     assert info.value.body["param"] == "segment_reuse"
 
 
-def _gateway_state(gateway: _Gateway):
-    return gateway.server.config.app.state.gateway
-
-
-@pytest.fixture
-def quota_stack(tiny_engine, tmp_path):
-    """The tiny engine behind the gateway; yields (gateway URL, gateway state, engine registry)."""
-    with serve(tiny_engine, api_key=KEY) as engine:
-        db_url = default_db_url(tmp_path)
-        upgrade(db_url)
-        settings = GatewaySettings(upstream=engine.base_url, secret=b"pml-secret-0123456789abcdef012345",
-                                   db_url=db_url, data_dir=tmp_path, upstream_api_key=KEY)
-        gateway = _Gateway(settings)
-        with gateway as url:
-            yield url, _gateway_state(gateway), engine.server.config.app.state.handler.prompt_modules.registry
-
-
-def test_one_tenant_cannot_fill_the_schema_registry_for_others(quota_stack, tiny_engine):
-    gateway_url, state, registry = quota_stack
+def test_one_tenant_cannot_fill_the_schema_registry_for_others(stack, tiny_engine):
+    gateway_url, state, registry = stack.gateway_url, stack.gateway, stack.registry
     state.schema_quota.max_namespaces = 2
     with _http(gateway_url, ALICE) as greedy, _http(gateway_url, BOB) as bob:
         for salt in ("a", "b"):
