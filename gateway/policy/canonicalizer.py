@@ -64,14 +64,19 @@ def sorted_json(value: Any) -> tuple[Any, bool]:
     return sort_schema_keys(value), True
 
 
-def sort_tool_keys(body: Body) -> bool:
-    tools = body.get("tools")
-    if not isinstance(tools, list):
+def sort_field_keys(body: Body, field: str) -> bool:
+    """Put ``body[field]`` (when a list or object) in canonical schema form; whether that changed it."""
+    value = body.get(field)
+    if not isinstance(value, list | dict):
         return False
-    new_tools, changed = sorted_json(tools)
+    new_value, changed = sorted_json(value)
     if changed:
-        body["tools"] = new_tools
+        body[field] = new_value
     return changed
+
+
+def sort_tool_keys(body: Body) -> bool:
+    return sort_field_keys(body, "tools") if isinstance(body.get("tools"), list) else False
 
 
 def _tool_name(tool: Any) -> str | None:
@@ -82,11 +87,13 @@ def _tool_name(tool: Any) -> str | None:
     return None
 
 
-def order_tools_by_name(body: Body) -> bool:
+def order_by_name(body: Body, name_of: Callable[[Any], str | None]) -> bool:
+    """Order ``body["tools"]`` by the names ``name_of`` gives (kept as is when one has none);
+    whether that changed it."""
     tools = body.get("tools")
     if not isinstance(tools, list) or len(tools) < 2:
         return False
-    names = [_tool_name(tool) for tool in tools]
+    names = [name_of(tool) for tool in tools]
     if any(name is None for name in names):
         return False
     order = sorted(range(len(tools)), key=lambda i: names[i] or "")
@@ -96,14 +103,12 @@ def order_tools_by_name(body: Body) -> bool:
     return True
 
 
+def order_tools_by_name(body: Body) -> bool:
+    return order_by_name(body, _tool_name)
+
+
 def sort_response_format_keys(body: Body) -> bool:
-    response_format = body.get("response_format")
-    if not isinstance(response_format, dict):
-        return False
-    new_value, changed = sorted_json(response_format)
-    if changed:
-        body["response_format"] = new_value
-    return changed
+    return sort_field_keys(body, "response_format") if isinstance(body.get("response_format"), dict) else False
 
 
 def canonicalize_tool_call_arguments(body: Body) -> bool:

@@ -32,6 +32,7 @@ import orjson
 from gateway.config.config_file import CanonicalizeSwitches
 from gateway.policy.canonicalizer import (
     canonicalize,
+    order_by_name,
     sort_tool_keys,
     sorted_json,
 )
@@ -51,18 +52,13 @@ def chat_view(body: Body) -> Body | None:
         return None
 
 
+def _flat_tool_name(tool: Any) -> str | None:
+    name = tool.get("name") if isinstance(tool, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _order_flat_tools(body: Body) -> bool:
-    tools = body.get("tools")
-    if not isinstance(tools, list) or len(tools) < 2:
-        return False
-    names = [t.get("name") if isinstance(t, dict) else None for t in tools]
-    if not all(isinstance(n, str) for n in names):
-        return False
-    order = sorted(range(len(tools)), key=lambda i: str(names[i]))
-    if order == list(range(len(tools))):
-        return False
-    body["tools"] = [tools[i] for i in order]
-    return True
+    return order_by_name(body, _flat_tool_name)
 
 
 def _sort_format_keys(body: Body) -> bool:
