@@ -111,31 +111,41 @@ def sort_response_format_keys(body: Body) -> bool:
     return sort_field_keys(body, "response_format") if isinstance(body.get("response_format"), dict) else False
 
 
-def canonicalize_tool_call_arguments(body: Body) -> bool:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
+def map_items(body: Body, field: str, edit: Callable[[Any], Any | None]) -> bool:
+    """Apply ``edit`` (a new item, or None for unchanged) to each item of the list
+    ``body[field]``; the list is copied when one changes. Whether one did."""
+    items = body.get(field)
+    if not isinstance(items, list):
         return False
-    result = list(messages)
-    changed = False
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("tool_calls"), list):
-            continue
-        new_calls = list(message["tool_calls"])
-        touched = False
-        for position, call in enumerate(new_calls):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                continue
-            canonical = compact_arguments(function.get("arguments"))
-            if canonical is not None:
-                new_calls[position] = {**call, "function": {**function, "arguments": canonical}}
-                touched = True
-        if touched:
-            result[index] = {**message, "tool_calls": new_calls}
+    result, changed = list(items), False
+    for index, item in enumerate(items):
+        new = edit(item)
+        if new is not None:
+            result[index] = new
             changed = True
     if changed:
-        body["messages"] = result
+        body[field] = result
     return changed
+
+
+def _compact_message_arguments(message: Any) -> Body | None:
+    if not isinstance(message, dict) or not isinstance(message.get("tool_calls"), list):
+        return None
+    new_calls = list(message["tool_calls"])
+    touched = False
+    for position, call in enumerate(new_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            continue
+        canonical = compact_arguments(function.get("arguments"))
+        if canonical is not None:
+            new_calls[position] = {**call, "function": {**function, "arguments": canonical}}
+            touched = True
+    return {**message, "tool_calls": new_calls} if touched else None
+
+
+def canonicalize_tool_call_arguments(body: Body) -> bool:
+    return map_items(body, "messages", _compact_message_arguments)
 
 
 def _tool_call_ids(message: Any) -> list[str] | None:
@@ -192,34 +202,22 @@ def _single_text(content: Any) -> str | None:
     return None
 
 
+def _flattened(message: Any) -> Body | None:
+    text = _single_text(message.get("content")) if isinstance(message, dict) else None
+    return None if text is None else {**message, "content": text}
+
+
 def flatten_single_text_parts(body: Body) -> bool:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    changed = False
-    result = list(messages)
-    for index, message in enumerate(messages):
-        if isinstance(message, dict):
-            text = _single_text(message.get("content"))
-            if text is not None:
-                result[index] = {**message, "content": text}
-                changed = True
-    if changed:
-        body["messages"] = result
-    return changed
+    return map_items(body, "messages", _flattened)
 
 
 def _map_image_parts(body: Body, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
     """Apply ``edit`` (a new part, or None for unchanged) to every image_url part; copy on change."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    result = list(messages)
-    changed = False
-    for index, message in enumerate(messages):
+
+    def edit_message(message: Any) -> Body | None:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
-            continue
+            return None
         parts = list(content)
         touched = False
         for position, part in enumerate(content):
@@ -228,12 +226,9 @@ def _map_image_parts(body: Body, edit: Callable[[dict[str, Any]], dict[str, Any]
                 if new is not None:
                     parts[position] = new
                     touched = True
-        if touched:
-            result[index] = {**message, "content": parts}
-            changed = True
-    if changed:
-        body["messages"] = result
-    return changed
+        return {**message, "content": parts} if touched else None
+
+    return map_items(body, "messages", edit_message)
 
 
 def _object_form(part: dict[str, Any]) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ import orjson
 from gateway.config.config_file import CanonicalizeSwitches
 from gateway.policy.canonicalizer import (
     canonicalize,
+    map_items,
     order_by_name,
     sort_tool_keys,
     sorted_json,
@@ -71,20 +72,15 @@ def _sort_format_keys(body: Body) -> bool:
     return changed
 
 
+def _compact_call(item: Any) -> Body | None:
+    if not isinstance(item, dict) or item.get("type") != "function_call":
+        return None
+    canonical = compact_arguments(item.get("arguments"))
+    return None if canonical is None else {**item, "arguments": canonical}
+
+
 def _canonical_call_arguments(body: Body) -> bool:
-    items = body.get("input")
-    if not isinstance(items, list):
-        return False
-    result, changed = list(items), False
-    for index, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            canonical = compact_arguments(item.get("arguments"))
-            if canonical is not None:
-                result[index] = {**item, "arguments": canonical}
-                changed = True
-    if changed:
-        body["input"] = result
-    return changed
+    return map_items(body, "input", _compact_call)
 
 
 STEPS = (
