@@ -13,12 +13,13 @@ A schema is registered on, and deleted from, every replica (a prompt may be rout
 to any). Registration is all or nothing: when a replica refuses (or cannot be
 reached), the schema is deleted again from the replicas that had accepted it and
 the refusal is relayed (a schema it replaced there is then gone on those replicas
-too: the client retries or registers again). A tenant may hold schemas under at most
-``quota.max_namespaces`` client salts, checked before any replica is asked, and at
-most ``quota.max_tokens`` module tokens, checked on the answer (a registration past
-them is rolled back the same way; :mod:`gateway.policy.schema_quota`). Listing asks the first replica. Each registered
-schema's size goes to the router (:mod:`gateway.routing.schema_affinity`). Only an
-upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
+too: the client retries or registers again). A tenant may hold schemas under at
+most ``quota.max_namespaces`` client salts, checked before any replica is asked,
+and at most ``quota.max_tokens`` module tokens, checked on the answer (a
+registration past them is rolled back the same way; see
+:mod:`gateway.policy.schema_quota`). Each registered schema's size goes to the
+router (:mod:`gateway.routing.schema_affinity`). Listing asks the first replica.
+Only an upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
 routes; other kinds answer 404 ``not_supported``. Not inference: no stats row.
 """
 
