@@ -21,7 +21,9 @@ Generation requests (called by :class:`~engine.server.request_handler.RequestHan
 
 Every client mistake is an :class:`~engine.contract.errors.APIError` 4xx: a PML
 error names its line and column (``code: "invalid_pml"``), a full registry is 429
-``schema_store_full`` or 400 ``schema_limit``.
+``schema_store_full`` or 400 ``schema_limit``. The registry shares its engine-wide
+bounds fairly between the tenants the gateway names in ``x-prefixgate-tenant``
+(see :mod:`engine.promptcache.schema_registry`).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class PromptModules:
             raw = await self.bodies.read(request, lease)
             schema, salt = await run_in_threadpool(self._compile, raw)
         try:
-            self.registry.put(salt, schema)
+            self.registry.put(salt, schema, tenant)
         except RegistryFull as exc:
             if exc.per_salt:
                 raise errors.invalid_param(str(exc), "pml", "schema_limit") from None

@@ -64,14 +64,19 @@ def sorted_json(value: Any) -> tuple[Any, bool]:
     return sort_schema_keys(value), True
 
 
-def sort_tool_keys(body: Body) -> bool:
-    tools = body.get("tools")
-    if not isinstance(tools, list):
+def sort_field_keys(body: Body, field: str) -> bool:
+    """Put ``body[field]`` (when a list or object) in canonical schema form; whether that changed it."""
+    value = body.get(field)
+    if not isinstance(value, list | dict):
         return False
-    new_tools, changed = sorted_json(tools)
+    new_value, changed = sorted_json(value)
     if changed:
-        body["tools"] = new_tools
+        body[field] = new_value
     return changed
+
+
+def sort_tool_keys(body: Body) -> bool:
+    return sort_field_keys(body, "tools") if isinstance(body.get("tools"), list) else False
 
 
 def _tool_name(tool: Any) -> str | None:
@@ -82,11 +87,13 @@ def _tool_name(tool: Any) -> str | None:
     return None
 
 
-def order_tools_by_name(body: Body) -> bool:
+def order_by_name(body: Body, name_of: Callable[[Any], str | None]) -> bool:
+    """Order ``body["tools"]`` by the names ``name_of`` gives (kept as is when one has none);
+    whether that changed it."""
     tools = body.get("tools")
     if not isinstance(tools, list) or len(tools) < 2:
         return False
-    names = [_tool_name(tool) for tool in tools]
+    names = [name_of(tool) for tool in tools]
     if any(name is None for name in names):
         return False
     order = sorted(range(len(tools)), key=lambda i: names[i] or "")
@@ -96,41 +103,49 @@ def order_tools_by_name(body: Body) -> bool:
     return True
 
 
+def order_tools_by_name(body: Body) -> bool:
+    return order_by_name(body, _tool_name)
+
+
 def sort_response_format_keys(body: Body) -> bool:
-    response_format = body.get("response_format")
-    if not isinstance(response_format, dict):
+    return sort_field_keys(body, "response_format") if isinstance(body.get("response_format"), dict) else False
+
+
+def map_items(body: Body, field: str, edit: Callable[[Any], Any | None]) -> bool:
+    """Apply ``edit`` (a new item, or None for unchanged) to each item of the list
+    ``body[field]``; the list is copied when one changes. Whether one did."""
+    items = body.get(field)
+    if not isinstance(items, list):
         return False
-    new_value, changed = sorted_json(response_format)
+    result, changed = list(items), False
+    for index, item in enumerate(items):
+        new = edit(item)
+        if new is not None:
+            result[index] = new
+            changed = True
     if changed:
-        body["response_format"] = new_value
+        body[field] = result
     return changed
+
+
+def _compact_message_arguments(message: Any) -> Body | None:
+    if not isinstance(message, dict) or not isinstance(message.get("tool_calls"), list):
+        return None
+    new_calls = list(message["tool_calls"])
+    touched = False
+    for position, call in enumerate(new_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            continue
+        canonical = compact_arguments(function.get("arguments"))
+        if canonical is not None:
+            new_calls[position] = {**call, "function": {**function, "arguments": canonical}}
+            touched = True
+    return {**message, "tool_calls": new_calls} if touched else None
 
 
 def canonicalize_tool_call_arguments(body: Body) -> bool:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    result = list(messages)
-    changed = False
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("tool_calls"), list):
-            continue
-        new_calls = list(message["tool_calls"])
-        touched = False
-        for position, call in enumerate(new_calls):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                continue
-            canonical = compact_arguments(function.get("arguments"))
-            if canonical is not None:
-                new_calls[position] = {**call, "function": {**function, "arguments": canonical}}
-                touched = True
-        if touched:
-            result[index] = {**message, "tool_calls": new_calls}
-            changed = True
-    if changed:
-        body["messages"] = result
-    return changed
+    return map_items(body, "messages", _compact_message_arguments)
 
 
 def _tool_call_ids(message: Any) -> list[str] | None:
@@ -187,34 +202,22 @@ def _single_text(content: Any) -> str | None:
     return None
 
 
+def _flattened(message: Any) -> Body | None:
+    text = _single_text(message.get("content")) if isinstance(message, dict) else None
+    return None if text is None else {**message, "content": text}
+
+
 def flatten_single_text_parts(body: Body) -> bool:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    changed = False
-    result = list(messages)
-    for index, message in enumerate(messages):
-        if isinstance(message, dict):
-            text = _single_text(message.get("content"))
-            if text is not None:
-                result[index] = {**message, "content": text}
-                changed = True
-    if changed:
-        body["messages"] = result
-    return changed
+    return map_items(body, "messages", _flattened)
 
 
 def _map_image_parts(body: Body, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bool:
     """Apply ``edit`` (a new part, or None for unchanged) to every image_url part; copy on change."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return False
-    result = list(messages)
-    changed = False
-    for index, message in enumerate(messages):
+
+    def edit_message(message: Any) -> Body | None:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
-            continue
+            return None
         parts = list(content)
         touched = False
         for position, part in enumerate(content):
@@ -223,12 +226,9 @@ def _map_image_parts(body: Body, edit: Callable[[dict[str, Any]], dict[str, Any]
                 if new is not None:
                     parts[position] = new
                     touched = True
-        if touched:
-            result[index] = {**message, "content": parts}
-            changed = True
-    if changed:
-        body["messages"] = result
-    return changed
+        return {**message, "content": parts} if touched else None
+
+    return map_items(body, "messages", edit_message)
 
 
 def _object_form(part: dict[str, Any]) -> dict[str, Any] | None:

@@ -10,13 +10,22 @@ A client salt only narrows the tenant's own namespace, exactly as for completion
 another tenant can neither use, list, delete nor time a schema, whatever it sends.
 
 A schema is registered on, and deleted from, every replica (a prompt may be routed
-to any); the first refusal is relayed. Listing asks the first replica. Only an
-upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
+to any). Registration is all or nothing: when a replica refuses (or cannot be
+reached), the schema is deleted again from the replicas that had accepted it and
+the refusal is relayed (a schema it replaced there is then gone on those replicas
+too: the client retries or registers again). A tenant may hold schemas under at
+most ``quota.max_namespaces`` client salts, checked before any replica is asked,
+and at most ``quota.max_tokens`` module tokens, checked on the answer (a
+registration past them is rolled back the same way; see
+:mod:`gateway.policy.schema_quota`). Each registered schema's size goes to the
+router (:mod:`gateway.routing.schema_affinity`). Listing asks the first replica.
+Only an upstream of kind ``vllm`` with prompt modules (prefixgate's engine) serves these
 routes; other kinds answer 404 ``not_supported``. Not inference: no stats row.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 from urllib.parse import quote
 
@@ -27,11 +36,14 @@ from starlette.responses import Response
 from engine.contract.body_reader import BodyReader
 from engine.contract.limits import cache_salt_problem
 from gateway.config.config_file import Tenant
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import GatewayError, InvalidRequest, NotFound, UpstreamError
 from gateway.policy.authenticator import Authenticator
 from gateway.policy.salt import derive_cache_salt
+from gateway.policy.schema_quota import SchemaQuota
 from gateway.proxy.request_body import read_body
-from gateway.routing.replicas import ReplicaSet
+from gateway.routing.replicas import Replica, ReplicaSet
+
+log = logging.getLogger(__name__)
 
 PATH = "/v1/prompt_schemas"
 
@@ -52,11 +64,12 @@ def _client_salt(value: object) -> str | None:
 
 class PromptSchemaRoutes:
     def __init__(self, replicas: ReplicaSet, authenticator: Authenticator, secret: bytes,
-                 bodies: BodyReader) -> None:
+                 bodies: BodyReader, quota: SchemaQuota | None = None) -> None:
         self.replicas = replicas
         self.authenticator = authenticator
         self.secret = secret
         self.bodies = bodies
+        self.quota = quota or SchemaQuota()
 
     def _tenant(self, request: Request) -> Tenant:
         tenant = self.authenticator.tenant_for(request.headers.get("authorization"))
@@ -80,10 +93,38 @@ class PromptSchemaRoutes:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
         client_salt = _client_salt(body.pop("cache_salt", None))
-        content = orjson.dumps({**body, **self._salt(tenant, client_salt)})
-        answers = [await replica.upstream.call("POST", PATH, content=content, tenant=tenant.name)
-                   for replica in self.replicas.replicas]
-        return _json(answers[0])
+        salt = self._salt(tenant, client_salt)
+        content = orjson.dumps({**body, **salt})
+        with self.quota.registering(tenant.name, client_salt):
+            accepted: list[tuple[Replica, dict[str, Any]]] = []
+            try:
+                for replica in self.replicas.replicas:
+                    accepted.append((replica, await replica.upstream.call("POST", PATH, content=content,
+                                                                          tenant=tenant.name)))
+                answer = accepted[0][1]
+                name, tokens = answer.get("name"), answer.get("tokens")
+                if not isinstance(name, str) or isinstance(tokens, bool) or not isinstance(tokens, int):
+                    raise UpstreamError("the upstream's prompt schema answer has no name and tokens")
+                self.quota.registered(tenant.name, client_salt, name, tokens)
+            except GatewayError:
+                await self._roll_back(accepted, salt, tenant)
+                raise
+        self.replicas.affinity.registered(salt.get("cache_salt"), name, tokens)
+        return _json(answer)
+
+    async def _roll_back(self, accepted: list[tuple[Replica, dict[str, Any]]], params: dict[str, str],
+                         tenant: Tenant) -> None:
+        """Delete the schema again from the replicas that accepted it (best effort: logged)."""
+        for replica, answer in accepted:
+            name = answer.get("name")
+            if not isinstance(name, str):
+                continue
+            try:
+                await replica.upstream.call("DELETE", f"{PATH}/{quote(name, safe='')}", params=params,
+                                            tenant=tenant.name)
+            except GatewayError as exc:
+                log.warning("replica %s keeps prompt schema %r of tenant %s after a refused registration: %s",
+                            replica.name, name[:80], tenant.name, exc)
 
     async def list_schemas(self, request: Request) -> Response:
         tenant = self._tenant(request)
@@ -92,8 +133,12 @@ class PromptSchemaRoutes:
 
     async def delete(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        params = self._salt(tenant, _client_salt(request.query_params.get("cache_salt")))
-        path = f"{PATH}/{quote(request.path_params['name'], safe='')}"
+        client_salt = _client_salt(request.query_params.get("cache_salt"))
+        params = self._salt(tenant, client_salt)
+        name = request.path_params["name"]
+        self.quota.deleted(tenant.name, client_salt, name)
+        self.replicas.affinity.deleted(params.get("cache_salt"), name)
+        path = f"{PATH}/{quote(name, safe='')}"
         answers = [await replica.upstream.call("DELETE", path, params=params, tenant=tenant.name)
                    for replica in self.replicas.replicas]
         return _json(answers[0])

@@ -32,6 +32,8 @@ import orjson
 from gateway.config.config_file import CanonicalizeSwitches
 from gateway.policy.canonicalizer import (
     canonicalize,
+    map_items,
+    order_by_name,
     sort_tool_keys,
     sorted_json,
 )
@@ -51,18 +53,13 @@ def chat_view(body: Body) -> Body | None:
         return None
 
 
+def _flat_tool_name(tool: Any) -> str | None:
+    name = tool.get("name") if isinstance(tool, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _order_flat_tools(body: Body) -> bool:
-    tools = body.get("tools")
-    if not isinstance(tools, list) or len(tools) < 2:
-        return False
-    names = [t.get("name") if isinstance(t, dict) else None for t in tools]
-    if not all(isinstance(n, str) for n in names):
-        return False
-    order = sorted(range(len(tools)), key=lambda i: str(names[i]))
-    if order == list(range(len(tools))):
-        return False
-    body["tools"] = [tools[i] for i in order]
-    return True
+    return order_by_name(body, _flat_tool_name)
 
 
 def _sort_format_keys(body: Body) -> bool:
@@ -75,20 +72,15 @@ def _sort_format_keys(body: Body) -> bool:
     return changed
 
 
+def _compact_call(item: Any) -> Body | None:
+    if not isinstance(item, dict) or item.get("type") != "function_call":
+        return None
+    canonical = compact_arguments(item.get("arguments"))
+    return None if canonical is None else {**item, "arguments": canonical}
+
+
 def _canonical_call_arguments(body: Body) -> bool:
-    items = body.get("input")
-    if not isinstance(items, list):
-        return False
-    result, changed = list(items), False
-    for index, item in enumerate(items):
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            canonical = compact_arguments(item.get("arguments"))
-            if canonical is not None:
-                result[index] = {**item, "arguments": canonical}
-                changed = True
-    if changed:
-        body["input"] = result
-    return changed
+    return map_items(body, "input", _compact_call)
 
 
 STEPS = (

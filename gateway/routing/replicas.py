@@ -14,6 +14,9 @@
   sent (connect refused or timed out: :class:`UpstreamUnreachable`) is sent to
   the next best replica; each replica is tried at most once. Nothing is retried once the request was written: the engine may
   have started on it.
+* PML prompts route by their schema's affinity, not block keys
+  (:mod:`gateway.routing.schema_affinity`); the schema routes tell
+  :attr:`ReplicaSet.affinity` each schema's size.
 * Accounting: :meth:`ReplicaSet.route` counts the request in flight on its replica
   (with the tokens it was predicted to prefill) and marks its keys pending there; :meth:`ReplicaSet.finish` (called once, when
   the stats row is recorded) undoes both and counts predicted vs reported cached
@@ -39,6 +42,7 @@ from gateway.routing.block_index import ReplicaIndex
 from gateway.routing.block_keys import BlockKeyer, RequestKeys
 from gateway.routing.kv_events import EventSource, KvEventSubscriber
 from gateway.routing.router import Router
+from gateway.routing.schema_affinity import Affinity, SchemaAffinity
 from gateway.upstream.client import Upstream
 from gateway.upstream.stall_watchdog import StallWatchdog
 
@@ -108,10 +112,12 @@ class _SentMark:
 class Route:
     """Where one request goes; :meth:`post` / :meth:`stream` retry before anything was sent."""
 
-    def __init__(self, replicas: ReplicaSet, record: RequestRecord, keys: RequestKeys | None) -> None:
+    def __init__(self, replicas: ReplicaSet, record: RequestRecord, keys: RequestKeys | None,
+                 affinity: Affinity | None = None) -> None:
         self.replicas = replicas
         self.record = record
         self.keys = keys
+        self.affinity = affinity
         self.replica: Replica | None = None
         self.prefill_tokens = 0
         self.tried: list[Replica] = []
@@ -119,7 +125,8 @@ class Route:
         self.deadline = replicas.watchdog.deadline()
 
     def _pick(self) -> Replica:
-        choice = self.replicas.router.choose(self.replicas.replicas, self.keys, exclude=self.tried)
+        choice = self.replicas.router.choose(self.replicas.replicas, self.keys, exclude=self.tried,
+                                             affinity=self.affinity)
         if choice is None:
             raise UpstreamUnavailable("no replica could be reached")
         replica = choice.replica
@@ -236,6 +243,7 @@ class ReplicaSet:
         self.router = Router(self.options.load_cost_tokens, self.options.miss_weight)
         self.keyer = keyer if keyer is not None or len(specs) < 2 else load_keyer(self.options)
         self.watchdog = watchdog or StallWatchdog()
+        self.affinity = SchemaAffinity()
         self._health_task: asyncio.Task[None] | None = None
 
     @property
@@ -257,10 +265,12 @@ class ReplicaSet:
 
     async def route(self, record: RequestRecord, body: dict[str, Any]) -> Route:
         """The route of one request whose upstream body (salt included) is ``body``."""
-        keys = None
-        if self.keyer is not None and len(self.replicas) > 1:
+        keys, affinity = None, None
+        if len(self.replicas) > 1 and body.get("prompt_format") == "pml":  # parsed off the event loop
+            affinity = await anyio.to_thread.run_sync(self.affinity.of, record.endpoint, body)
+        if self.keyer is not None and len(self.replicas) > 1 and affinity is None:
             keys = await anyio.to_thread.run_sync(self.keyer.keys, record.endpoint, body, body.get("cache_salt"))
-        route = Route(self, record, keys)
+        route = Route(self, record, keys, affinity)
         record.route = route
         return route
 

@@ -21,6 +21,12 @@ prefix thus stays on its replica while its queue holds cheap cache hits, and
 spreads under real queueing (the other replica then holds it too). A request
 without keys (not tokenizable) counts its prefill as 0 and is routed by load alone.
 
+A PML prompt (``prompt_format: "pml"``) has no block keys but an
+:class:`~gateway.routing.schema_affinity.Affinity`: its schema's home replica ``h``
+(a consistent hash of tenant salt and schema name) counts ``prefill = 0`` and every
+other replica ``prefill = affinity.tokens``, the schema's module tokens it would
+compute again; its prediction is None (the engine's own module cache decides).
+
 The prediction ``predicted_cached_tokens = block_size * hit(r)`` is what the
 engine will report as ``cached_tokens`` when the index is exact (events) and no
 eviction happens between routing and scheduling. Keys carry the tenant's salt in
@@ -36,6 +42,7 @@ from typing import Protocol
 
 from gateway.routing.block_index import ReplicaIndex
 from gateway.routing.block_keys import RequestKeys
+from gateway.routing.schema_affinity import Affinity
 
 
 class Candidate(Protocol):
@@ -66,24 +73,28 @@ class Router:
         self._clock = itertools.count(1)
 
     def choose(self, replicas: Sequence[Candidate], keys: RequestKeys | None,
-               exclude: Sequence[Candidate] = ()) -> Choice | None:
-        """The best replica outside ``exclude``, or None when there is none."""
+               exclude: Sequence[Candidate] = (), affinity: Affinity | None = None) -> Choice | None:
+        """The best replica outside ``exclude``, or None when there is none (``affinity``: for a
+        request without ``keys``)."""
         candidates = [r for r in replicas if r not in exclude]
         healthy = [r for r in candidates if r.healthy]
         candidates = healthy or candidates
         if not candidates:
             return None
-        best: tuple[tuple[float, int, int], Candidate, int] | None = None
+        home = max(candidates, key=lambda r: affinity.score(r.name)) if affinity is not None else None
+        best: tuple[tuple[float, int, int], Candidate, int, int] | None = None
         for replica in candidates:
             hit = replica.index.hit_blocks(keys.keys, keys.max_hit_blocks) if keys is not None else 0
-            prefill = keys.num_tokens - hit * keys.block_size if keys is not None else 0
+            if keys is not None:
+                prefill = keys.num_tokens - hit * keys.block_size
+            else:
+                prefill = affinity.tokens if affinity is not None and replica is not home else 0
             cost = self.miss_weight * prefill + replica.queued_prefill + self.load_cost_tokens * replica.in_flight
             rank = (cost, replica.in_flight, replica.last_chosen)
             if best is None or rank < best[0]:
-                best = (rank, replica, hit)
+                best = (rank, replica, hit, prefill)
         assert best is not None
-        _, replica, hit = best
+        _, replica, hit, prefill = best
         replica.last_chosen = next(self._clock)
         predicted = hit * keys.block_size if keys is not None else None
-        prefill = keys.num_tokens - hit * keys.block_size if keys is not None else 0
         return Choice(replica, hit, predicted, prefill)

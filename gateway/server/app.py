@@ -29,6 +29,7 @@ from engine.contract.body_reader import BodyReader
 from gateway.errors import GatewayError, NotFound, Unauthorized, error_response
 from gateway.policy.authenticator import Authenticator, bearer_token
 from gateway.policy.prefix_warner import History, PrefixWarner
+from gateway.policy.schema_quota import SchemaQuota
 from gateway.proxy.handler import PATHS, Proxy
 from gateway.proxy.schema_routes import PromptSchemaRoutes
 from gateway.responses.routes import ResponsesRoutes
@@ -112,6 +113,7 @@ class GatewayState:
         self.metrics.add_collector(ReplicaCollector(self.replicas))
         self.warner = PrefixWarner(history=history)
         self.responses = ResponseStore(self.db_engine, settings.responses)
+        self.schema_quota = SchemaQuota()
         self.proxy = Proxy(
             replicas=self.replicas,
             authenticator=self.authenticator,
@@ -139,7 +141,7 @@ def create_app(
     state = GatewayState(settings, client, history)
     stored = ResponsesRoutes(state.responses, state.authenticator)
     schemas = PromptSchemaRoutes(state.replicas, state.authenticator, settings.secret,
-                                 state.proxy.bodies)
+                                 state.proxy.bodies, state.schema_quota)
 
     def inference(endpoint: str) -> Any:
         async def handle(request: Request) -> Response:

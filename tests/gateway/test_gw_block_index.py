@@ -158,3 +158,46 @@ def test_both_vllm_event_layouts_decode_to_the_same_index(layout: str) -> None:
     assert index.num_blocks == 0
     with pytest.raises(ValueError):
         decode_batch(b"\xc1")
+
+
+def test_router_sends_a_pml_schema_to_its_home_until_its_queue_costs_more() -> None:
+    from gateway.routing.schema_affinity import Affinity, SchemaAffinity, affinity_key
+
+    replicas = [FakeReplica(n) for n in "abc"]
+    router = Router(load_cost_tokens=10, miss_weight=2.0)
+    homes = {}
+    for schema in ("rag", "faq", "docs", "code", "trip", "law"):
+        affinity = Affinity(affinity_key("salt", schema), 100)
+        home = max(replicas, key=lambda r, a=affinity: a.score(r.name))
+        for _ in range(3):  # the same schema always lands on its home, whatever the round-robin says
+            choice = router.choose(replicas, None, affinity=affinity)
+            assert choice is not None and choice.replica is home
+            assert choice.prefill_tokens == 0 and choice.predicted_cached_tokens is None
+        homes[schema] = home.name
+    assert len(set(homes.values())) > 1  # schemas spread over the replicas
+    rag = Affinity(affinity_key("salt", "rag"), 100)
+    home = next(r for r in replicas if r.name == homes["rag"])
+    assert Affinity(affinity_key("other-tenant", "rag"), 100).key != rag.key
+    home.queued_prefill = 150  # 150 < 2 * 100 elsewhere: stays
+    assert router.choose(replicas, None, affinity=rag).replica is home  # type: ignore[union-attr]
+    home.queued_prefill = 250  # 250 > 200: recomputed elsewhere, charged the schema's tokens
+    choice = router.choose(replicas, None, affinity=rag)
+    assert choice is not None and choice.replica is not home and choice.prefill_tokens == 100
+    home.queued_prefill = 0
+    fallback = router.choose(replicas, None, exclude=[home], affinity=rag)  # a retry: next-best replica
+    assert fallback is not None and fallback.replica is not home
+    # Removing another replica does not move the schema (rendezvous hashing).
+    assert router.choose([r for r in replicas if r is home or r is not fallback.replica], None,
+                         affinity=rag).replica is home  # type: ignore[union-attr]
+
+    known = SchemaAffinity()
+    body = {"prompt_format": "pml", "prompt": '<prompt schema="rag"><doc/>Q?</prompt>', "cache_salt": "salt"}
+    assert known.of("completions", body) == Affinity(rag.key, 512)  # size unknown: the default
+    known.registered("salt", "rag", 100)
+    assert known.of("completions", body) == rag
+    known.deleted("salt", "rag")
+    assert known.of("completions", body).tokens == 512  # type: ignore[union-attr]
+    assert known.of("chat.completions", body) is None
+    assert known.of("completions", {**body, "prompt_format": "text"}) is None
+    assert known.of("completions", {**body, "prompt": "<prompt schema='rag'>unclosed"}) is None
+    assert known.of("completions", {**body, "prompt": "<prompt>no schema</prompt>"}) is None

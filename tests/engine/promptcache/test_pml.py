@@ -220,12 +220,58 @@ def test_registry_is_per_salt_and_bounded(compiler):
     overall.put("a", trip)
     overall.put("b", other)
     overall.put("b", other)  # replacing counts once
-    with pytest.raises(RegistryFull) as full:
-        overall.put("c", third)
-    assert not full.value.per_salt
+    with pytest.raises(RegistryFull) as full:  # "c" would hold as much as the most any other holds
+        overall.put("c", trip)
+    assert not full.value.per_salt and overall.get("a", "trip") is trip and overall.evicted == 0
     assert overall.delete("a", "trip")
     overall.put("c", third)
     overall.check_integrity()
+
+
+def _sized(compiler, name: str, words: int):
+    return compiler.schema(f'<schema name="{name}"><module name="m">{"word " * words}</module></schema>')
+
+
+def test_full_registry_evicts_the_heaviest_owner_never_a_newcomer_under_its_share(compiler):
+    # One tenant varies its salt to take every namespace: it stays one owner, and a
+    # newcomer's registration evicts that tenant's oldest namespace instead of failing.
+    registry = SchemaRegistry(max_salts=4)
+    small = _sized(compiler, "s", 3)
+    for i in range(4):
+        registry.put(f"greedy-{i}", small, tenant="greedy")
+    registry.put("alice-0", small, tenant="alice")
+    assert registry.get("greedy-0", "s") is None and registry.get("greedy-1", "s") is small
+    assert registry.get("alice-0", "s") is small and registry.evicted == 1
+    registry.put("bob-0", small, tenant="bob")  # greedy (3 salts) still holds the most
+    assert registry.owner_usage()[("tenant", "greedy")][0] == 2
+    registry.put("carol-0", small, tenant="carol")
+    # Four owners, one salt each: the fair share is reached, so a fifth is refused and nothing is evicted.
+    with pytest.raises(RegistryFull) as full:
+        registry.put("dave-0", small, tenant="dave")
+    assert not full.value.per_salt and registry.evicted == 3
+    # Greedy may not take back a namespace from anyone holding no more than it would.
+    with pytest.raises(RegistryFull):
+        registry.put("greedy-9", small, tenant="greedy")
+    registry.put("greedy-3", _sized(compiler, "t", 2), tenant="greedy")  # its own namespaces still take schemas
+    registry.check_integrity()
+
+    # The token bound: the owner holding the most tokens loses its oldest schemas first.
+    big, medium = _sized(compiler, "big", 60), _sized(compiler, "medium", 20)
+    tokens = SchemaRegistry(max_total_tokens=3 * big.total_tokens)
+    for i in range(3):
+        tokens.put(f"greedy-{i}", big, tenant="greedy")
+    tokens.put("alice", medium, tenant="alice")
+    assert tokens.get("greedy-0", "big") is None and tokens.get("greedy-1", "big") is big
+    assert tokens.get("alice", "medium") is medium
+    with pytest.raises(RegistryFull):  # alice would then hold more than greedy: refused, nothing evicted
+        tokens.put("alice", _sized(compiler, "huge", 140), tenant="alice")
+    assert tokens.get("greedy-1", "big") is big and tokens.evicted == 1
+    # A salt created by one tenant stays that tenant's, whoever registers into it later.
+    tokens.put("alice", small, tenant="greedy")
+    assert tokens.owner_usage()[("tenant", "alice")] == (1, medium.total_tokens + small.total_tokens)
+    assert tokens.delete("alice", "medium") and tokens.delete("alice", "s")
+    assert ("tenant", "alice") not in tokens.owner_usage()
+    tokens.check_integrity()
 
 
 def test_segment_chat_is_the_normal_prompt(bundled_tokenizer):
