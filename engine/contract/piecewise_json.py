@@ -30,8 +30,10 @@ PIECED_ABOVE_BYTES = 256 * 1024  # smaller bodies are one orjson.loads
 PIECE_BYTES = 64 * 1024
 MAX_SCAN_DEPTH = 200  # deeper bodies are one orjson.loads (refused later as too deep)
 
-# A complete JSON string (escapes skipped) or one bracket; brackets inside strings are never seen.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+# A whole object without brackets outside its strings (most chat messages: one match), a
+# complete string (escapes skipped), or one bracket; brackets inside strings are never seen.
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_TOKEN = re.compile(rb'\{(?:[^{}\[\]"]++|' + _STRING + rb')*+\}|' + _STRING + rb'|[\[\]{}]', re.DOTALL)
 _COLON = re.compile(rb"[ \t\n\r]*:[ \t\n\r]*\Z")
 _COMMA = re.compile(rb"[ \t\n\r]*,")
 
@@ -66,8 +68,8 @@ def _plan(raw: bytes) -> list[_Split] | None:
     for match in _TOKEN.finditer(raw):
         start, end = match.span()
         first = raw[start]
-        if first == 0x22:  # '"'
-            if len(stack) == 1:
+        if first == 0x22 or end - start > 1:  # a string, or a whole object
+            if len(stack) == 1 and first == 0x22:
                 key_token = (start, end)
             elif array is not None and len(stack) == 2 and end - run_start >= PIECE_BYTES:
                 run_start = _cut(raw, runs, run_start, end)

@@ -51,6 +51,8 @@ CORPUS = [
     '"' + "x" * 100 + '"',
     json.dumps({"deep": [[[[[[[[[[{"x": [1]}]]]]]]]]]] * 5}),
     "[" * 300 + "]" * 300,
+    '{"o": {"k": "[", "m": 1}, "messages": [' + ",".join(["{}", '{"a": "}{"}', "[]", '{"b": {}}'] * 5) + '], "p": {}}',
+    '{"messages": [' + ",".join(['{"a": "\\\\"}', '{"a": "\\"}"}'] * 8) + "]}",
     '{"messages": ' + "[" * 300 + "]" * 300 + "}",
 ]
 # Malformed: each must give orjson's own error (message and position).
