@@ -9,6 +9,10 @@ nesting depth, the ``model``/``stream``/``messages``/``prompt`` shapes,
 ``cache_salt``, and the types of the fields it canonicalizes); every other field
 is passed through for the upstream to judge.
 
+Parsing: :func:`engine.contract.piecewise_json.loads`, the value (or the error) of
+``orjson.loads``, parsed in pieces of about 64 KiB past 256 KiB, so that a large body
+parsed on a worker thread does not hold the GIL from the event loop for its whole parse.
+
 Depth: a body nested more than :data:`engine.contract.limits.MAX_JSON_DEPTH` (128)
 levels is a 400 ``json_too_deep`` naming the field, the same rule the engine
 applies (walked only when the body holds more brackets than that limit). It
@@ -23,6 +27,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from engine.contract import piecewise_json
 from engine.contract.body_reader import BodyLease, BodyReader
 from engine.contract.errors import APIError
 from engine.contract.limits import MAX_JSON_DEPTH, cache_salt_problem, too_deep_field
@@ -59,7 +64,7 @@ def _expect(body: dict[str, Any], field: str, kind: type, what: str) -> None:
 def parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
     """The request body as a dict; :class:`InvalidRequest` naming the bad field otherwise."""
     try:
-        body = orjson.loads(raw)
+        body = piecewise_json.loads(raw)  # orjson.loads, in bounded pieces for a large body
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):

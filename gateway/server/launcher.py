@@ -22,7 +22,7 @@ from gateway.config.replica_spec import (
     normalize_base_url,
     routing_from_args,
 )
-from gateway.server.process_setup import configure_logging, settle_heap
+from gateway.server.process_setup import configure_logging, settle_heap, share_the_gil
 from gateway.server.settings import GatewaySettings
 
 log = logging.getLogger("prefixgate.gateway")
@@ -125,6 +125,7 @@ def run_gateway(
         return serve_workers(settings, host, port, log_level, workers)
     app = create_app(settings)
     settle_heap()
+    share_the_gil()
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
     return 0
 

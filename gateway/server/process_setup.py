@@ -1,4 +1,4 @@
-"""What every serving process does once: logging set up, the start-up heap settled.
+"""What every serving process does once: logging set up, the start-up heap settled, the GIL shared.
 
 Shared by the one-process launcher and each worker of the supervisor.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 
 from engine.contract.pixel_budget import limit_malloc_arenas
 
@@ -36,3 +37,19 @@ def settle_heap(young_threshold: int = 50_000) -> None:
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(young_threshold, middle, old)
+
+
+SWITCH_INTERVAL_S = 0.001
+
+
+def share_the_gil(interval_s: float = SWITCH_INTERVAL_S) -> None:
+    """Let a thread waiting for the GIL take it after ``interval_s`` (Python's default: 5 ms).
+
+    Work that grows with a body (parsing it in pieces, canonicalizing, linting the
+    previous turn) runs on worker threads as Python, which hands the GIL over only when
+    another thread has waited a switch interval for it. The event loop's thread waits
+    that long at each wake-up (a socket ready, a timer), several per request: with 5 ms a
+    quiet tenant's answer took up to ~100 ms while another tenant's 40,000-message
+    bodies were being parsed (``benchmarks/fault_campaign.py --only image_stall``).
+    """
+    sys.setswitchinterval(interval_s)

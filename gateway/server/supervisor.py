@@ -158,13 +158,14 @@ def _worker(
 
     from gateway.policy.shared_history import HistoryClient
     from gateway.server.app import create_app
-    from gateway.server.process_setup import configure_logging, settle_heap
+    from gateway.server.process_setup import configure_logging, settle_heap, share_the_gil
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which forwards SIGTERM once
     die_with(parent)  # SIGTERM when the supervisor dies
     configure_logging(log_level)
     app = create_app(settings, history=HistoryClient(history_path))
     settle_heap()
+    share_the_gil()
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
     sock = shared if shared is not None else bind(host, port, reuse_port=True)
     uvicorn.Server(config).run(sockets=[sock])

@@ -14,6 +14,7 @@ import types
 
 import httpx
 import openai
+import orjson
 import pytest
 from gw_fakes import FakeUpstream, gateway_client, make_settings, rows, serve_in_thread
 
@@ -154,3 +155,34 @@ def test_bodies_in_flight_are_bounded_per_tenant_and_overall_and_stalls_time_out
                 assert after.status_code == 200
     by_status = sorted(row.status for row in rows(settings.db_url))
     assert by_status == [200, 200, 408, 408, 429, 503]
+
+
+def test_a_large_body_parsed_in_pieces_is_answered_as_one_parsed_whole(tmp_path, fake_upstream, monkeypatch):
+    """A 40,000-message body (past piecewise_json's threshold) reaches the upstream exactly as
+    when it is parsed by one orjson.loads, and a broken one gets the same 400."""
+    from engine.contract import piecewise_json
+
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"n {i}" + ' "]}},[{ \\ é ✓'}
+                for i in range(40_000)]
+    raw = orjson.dumps({"model": "m", "max_tokens": 1, "messages": messages,
+                        "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+                            "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(3000)]})
+    middle = raw.index(b"},{", len(raw) // 2)
+    broken = raw[:middle] + b"},,{" + raw[middle + 3:]  # a stray comma between two messages
+    assert len(raw) > 4 * piecewise_json.PIECED_ABOVE_BYTES and piecewise_json._plan(raw) is not None
+    settings = make_settings(tmp_path, config())
+
+    async def go():
+        async with gateway_client(settings, httpx.ASGITransport(fake_upstream.app)) as gw:
+            headers = {**auth(), "content-type": "application/json"}
+            return [await gw.post("/v1/chat/completions", content=body, headers=headers) for body in (raw, broken)]
+
+    pieced = asyncio.run(go())
+    monkeypatch.setattr(piecewise_json, "PIECED_ABOVE_BYTES", 1 << 40)  # one orjson.loads, as before
+    whole = asyncio.run(go())
+    assert [r.status_code for r in pieced] == [r.status_code for r in whole] == [200, 400]
+    assert pieced[0].json() == whole[0].json()
+    assert pieced[1].json() == whole[1].json()
+    assert pieced[1].json()["error"]["code"] == "invalid_json"
+    assert len(fake_upstream.bodies) == 2 and fake_upstream.bodies[0] == fake_upstream.bodies[1]
+    assert fake_upstream.bodies[0]["messages"] == messages

@@ -212,3 +212,27 @@ def test_the_engine_port_answers_only_the_gateway(server):
     # ...while the gateway in front of it serves the tenant.
     answer = client(server, "alpha").chat.completions.create(**body)
     assert answer.usage.completion_tokens == 1
+
+
+def test_a_body_parsed_in_pieces_gets_the_answer_of_the_compact_body(server):
+    """A body past piecewise_json's threshold (JSON whitespace between messages makes it
+    large, not its prompt) is parsed in pieces and answered exactly as the compact body."""
+    import orjson
+
+    from engine.contract import piecewise_json
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": 'Say "[hi]", {please}.'},
+                {"role": "assistant", "content": "[hi]"}, {"role": "user", "content": "And again, with \\ é."}]
+    request = {"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": messages}
+    compact = orjson.dumps(request)
+    padding = b" \n" * (100 * 1024)
+    padded = compact.replace(b'"messages":[', b'"messages":[' + padding).replace(b'},{', b"}," + padding + b"{")
+    assert orjson.loads(padded) == request and len(padded) > 2 * piecewise_json.PIECED_ABOVE_BYTES
+    assert [key for key, *_ in piecewise_json._plan(padded) or []] == ["messages"]  # split in runs
+    headers = {"authorization": f"Bearer {KEYS['beta']}", "content-type": "application/json"}
+    answers = [httpx.post(server[0] + "/v1/chat/completions", content=body, headers=headers, timeout=300)
+               for body in (compact, padded)]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    first, second = (a.json() for a in answers)
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"]

@@ -128,6 +128,20 @@ def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_generation
         gc.set_threshold(*threshold)
 
 
+def test_share_the_gil_shortens_the_switch_interval():
+    import sys
+
+    from gateway.server.process_setup import SWITCH_INTERVAL_S, share_the_gil
+
+    before = sys.getswitchinterval()
+    try:
+        share_the_gil()
+        assert abs(sys.getswitchinterval() - SWITCH_INTERVAL_S) < 1e-9
+        assert before > SWITCH_INTERVAL_S
+    finally:
+        sys.setswitchinterval(before)
+
+
 def _children(pid: int) -> list[int]:
     return [int(child) for task in os.listdir(f"/proc/{pid}/task")
             for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
