@@ -34,6 +34,17 @@ def assembly_key(segmented: SegmentedPrompt) -> bytes:
     return hashlib.sha256("\x00".join(parts).encode("utf-8")).digest()
 
 
+def exact_head_tokens(segmented: SegmentedPrompt) -> int:
+    """Tokens before the first module: computed with exactly their real context (the
+    chat head), so their full blocks keep the exact chain and hit the prefix cache."""
+    offset = 0
+    for seg in segmented.segments:
+        if seg.module is not None:
+            return offset
+        offset += len(seg.token_ids)
+    return offset
+
+
 def anchor_of(segmented: SegmentedPrompt) -> tuple[int, ...]:
     """The tokens modules of this prompt are encoded after (see the module docstring)."""
     first = segmented.segments[0]

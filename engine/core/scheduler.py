@@ -48,7 +48,9 @@ with blocks for all their tokens plus their missing module blocks; their module
 encodes (``SchedulerOutput.encodes``), copies (``SchedulerOutput.copies``, applied
 before the forward) and runs (several ``ScheduledSequence`` of one request in one
 step, in position order) take their tenant's prefill share like any prefill; a
-preempted or aborted one uncaches its blocks past its frontier first.
+preempted or aborted one uncaches its blocks past its frontier first. Their blocks
+are cached at admission, before they are written: a request whose hit includes
+such a block waits until its producer has computed it.
 
 Invariants:
 
@@ -333,16 +335,22 @@ class Scheduler:
 
     def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
         """True when the next block ``req`` could hit is one a running request has not
-        computed yet: admitting ``req`` now would compute it a second time."""
+        computed yet (admitting ``req`` now would compute it a second time), or when
+        one of its hits is a block a segmented request still assembling cached at
+        admission and has not written yet (its exact head or assembled blocks)."""
         if not self.kv_cache_manager.enable_caching:
             return False
         index = num_cached // self.block_size
-        if index >= (req.kv.num_tokens - 1) // self.block_size:
-            return False
-        wanted = req.kv.block_hashes[index]
+        hit = req.kv.block_hashes[:index]
+        wanted = req.kv.block_hashes[index] if index < (req.kv.num_tokens - 1) // self.block_size else None
         for other in self.running:
-            first = other.num_computed_tokens // self.block_size
-            if other.num_uncomputed_tokens > 1 and wanted in other.kv.block_hashes[first:]:
+            assembling = other.assembly is not None and other.assembly.active
+            if other.num_uncomputed_tokens <= 1 and not assembling:
+                continue
+            pending = other.kv.block_hashes[other.num_computed_tokens // self.block_size :]
+            if wanted is not None and wanted in pending:
+                return True
+            if hit and assembling and not set(pending).isdisjoint(hit):
                 return True
         return False
 
