@@ -72,6 +72,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from engine.core.assembly import anchor_of
 from engine.core.engine_request import EngineRequest
 from engine.core.module_assembler import ModuleAssembler
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
@@ -187,10 +188,17 @@ class Scheduler:
         self._prefilling_before: set[str | None] = set()  # tenants with prefill work in the previous step
 
     def reservation(self, req: EngineRequest) -> int:
-        """Blocks set aside for a request at admission."""
+        """Blocks set aside for a request at admission: its prompt and horizon, and for
+        a segmented request the module blocks it may hold until its copies (each
+        module's, whether cached or not); never more than the pool."""
         prompt = req.num_prompt_tokens
         tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
-        return -(-tokens // self.block_size)
+        blocks = -(-tokens // self.block_size)
+        if req.segmented is not None and self._assembles(req):
+            anchor = len(anchor_of(req.segmented))
+            blocks += sum(-(-(anchor + len(s.token_ids)) // self.block_size)
+                          for s in req.segmented.segments if s.module is not None)
+        return min(blocks, self.num_blocks)
 
     def add(self, req: EngineRequest) -> None:
         self.waiting.append(req)

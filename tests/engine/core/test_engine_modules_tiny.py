@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from engine.core.engine_request import EngineRequest
 from engine.core.llm_engine import GenerationRequest, SamplingParams
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
@@ -34,6 +35,12 @@ def submit(engine, sp: SegmentedPrompt | None, prompt=None, *, salt=None, max_to
     prompt = list(sp.token_ids) if sp is not None else list(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.submit(GenerationRequest(rid or f"m-{next(_ids)}", prompt, params, cache_salt=salt, segmented=sp))
+
+
+def engine_request(engine, sp: SegmentedPrompt, max_tokens: int = 150) -> EngineRequest:
+    gen = GenerationRequest(f"m-{next(_ids)}", list(sp.token_ids), SamplingParams(max_tokens=max_tokens), segmented=sp)
+    return EngineRequest(gen, block_size=engine.kv_cache_manager.block_size, max_model_len=1000, tokenizer=None,
+                         eos_token_ids=(), fallback_seed=0)
 
 
 def run(engine, sp, prompt=None, **kw):
@@ -175,9 +182,12 @@ def test_module_blocks_are_evicted_under_pressure(make_tiny_engine):
 
 
 def test_preempted_segmented_request_reassembles_to_the_same_tokens(make_tiny_engine):
-    engine = make_tiny_engine(kv_cache_memory_gib=24 * 16 * 512 / 1024**3)
+    # 26 blocks: both reservations fit (7 prompt and horizon blocks + 6 module blocks
+    # each), their 16 blocks each of decoding do not.
+    engine = make_tiny_engine(kv_cache_memory_gib=26 * 16 * 512 / 1024**3)
     engine.scheduler.reserve_horizon = 8
     sps = [segmented([30, 31]), segmented([31, 32])]
+    assert [engine.scheduler.reservation(engine_request(engine, sp)) for sp in sps] == [13, 13]
     solo = [run(engine, sp, max_tokens=150)[0] for sp in sps]
     engine.call(engine.kv_cache_manager.reset_prefix_cache)
 
