@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, default=4, help="documents per prompt")
     parser.add_argument("--pool", type=int, default=8, help="documents to choose from")
     parser.add_argument("--modes", nargs="*", default=["none", "epic", "cacheblend"],
-                        help="recovery modes, optionally with their parameter: epic:32, cacheblend:0.3")
+                        help="recovery modes, optionally with their parameter: epic:32, epic:16/8 (first/last "
+                             "tokens of each module), cacheblend:0.3")
     parser.add_argument("--first-tokens", type=int, default=16, help="epic: tokens recomputed per module")
     parser.add_argument("--fraction", type=float, default=0.15, help="cacheblend: fraction recomputed")
     parser.add_argument("--anchor", action="store_true",
@@ -170,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     recoveries = {}
     for spec in args.modes:
         mode, _, param = spec.partition(":")
-        recoveries[spec] = Recovery(mode=mode, first_tokens=int(param) if param and mode == "epic" else args.first_tokens,
-                                    fraction=float(param) if param and mode == "cacheblend" else args.fraction)
+        first, _, last = param.partition("/")
+        recoveries[spec] = Recovery(mode=mode, first_tokens=int(first) if first and mode == "epic" else args.first_tokens,
+                                    fraction=float(param) if param and mode == "cacheblend" else args.fraction,
+                                    last_tokens=int(last) if last and mode == "epic" else 0)
     rows: list[dict[str, Any]] = []
     try:
         # Encode every module once (a prompt with all documents, each mode's request would

@@ -29,9 +29,20 @@ def assembly_key(segmented: SegmentedPrompt) -> bytes:
     """What, besides the tokens and the salt, an assembled request's KV depends on:
     segment lengths and module names, and the recovery."""
     r = segmented.recovery
-    parts = [f"{r.mode}|{r.first_tokens}|{r.fraction!r}"]
+    parts = [f"{r.mode}|{r.first_tokens}|{r.fraction!r}" + (f"|{r.last_tokens}" if r.last_tokens else "")]
     parts += [f"{len(s.token_ids)}:{s.module or ''}" for s in segmented.segments]
     return hashlib.sha256("\x00".join(parts).encode("utf-8")).digest()
+
+
+def exact_head_tokens(segmented: SegmentedPrompt) -> int:
+    """Tokens before the first module: computed with exactly their real context (the
+    chat head), so their full blocks keep the exact chain and hit the prefix cache."""
+    offset = 0
+    for seg in segmented.segments:
+        if seg.module is not None:
+            return offset
+        offset += len(seg.token_ids)
+    return offset
 
 
 def anchor_of(segmented: SegmentedPrompt) -> tuple[int, ...]:
@@ -129,6 +140,7 @@ def plan_runs(segmented: SegmentedPrompt, num_cached: int, num_tokens: int, anch
             todo.update(range(offset, offset + n))
         elif rec.mode == "epic":
             todo.update(range(offset, offset + min(rec.first_tokens, n)))
+            todo.update(range(offset + n - min(rec.last_tokens, n), offset + n))
         else:
             modules.append((offset, n))
         offset += n

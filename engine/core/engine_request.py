@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from engine.core.assembly import Assembly, assembly_key
+from engine.core.assembly import Assembly, assembly_key, exact_head_tokens
 from engine.core.detokenizer import Detokenizer
 from engine.core.output_stream import GenerationRequest, OutputStream
 from engine.core.prompt_logprobs import PromptLogprobs
@@ -61,6 +61,7 @@ class EngineRequest:
             mm_items=request.mm_items,
             block_size=block_size,
             assembly=None if request.segmented is None else assembly_key(request.segmented),
+            exact_blocks=0 if request.segmented is None else exact_head_tokens(request.segmented) // block_size,
         )
         self.segmented = request.segmented
         self.assembly: Assembly | None = None

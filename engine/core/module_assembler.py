@@ -24,14 +24,16 @@ its KV assembled instead of computed in full:
    forward, in position order; each attends to everything before it), chunked under
    the budget; the last run samples.
 
-The request's own blocks are allocated for its whole prompt at admission and carry
-an *assembled* hash chain (:func:`assembly_key`): equal segmented requests (same
-tokens, segmentation, recovery, salt) reuse each other's blocks exactly; an exact
-request never finds them, nor they an exact request's.
+The request's own blocks are allocated for its whole prompt at admission. The full
+blocks before its first module (the chat head, computed exactly) are on the exact
+chain and shared with exact requests both ways; the rest carry an *assembled* hash
+chain (:func:`assembly_key`): equal segmented requests (same tokens, segmentation,
+recovery, salt) reuse each other's blocks exactly; an exact request never finds
+them, nor they an exact request's.
 
 Recovery (:class:`~engine.promptcache.segments.Recovery`): ``none`` recomputes only
 the uncached segments; ``epic`` also the first ``first_tokens`` tokens of every
-reused module; ``cacheblend`` (simplified, see
+reused module (and its last ``last_tokens``); ``cacheblend`` (simplified, see
 :func:`~engine.core.assembly.cacheblend_positions`) the ``fraction`` of the modules'
 tokens whose KV is expected to deviate most.
 """

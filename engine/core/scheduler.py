@@ -71,7 +71,9 @@ with blocks for all their tokens plus their missing module blocks; their module
 encodes (``SchedulerOutput.encodes``), copies (``SchedulerOutput.copies``, applied
 before the forward) and runs (several ``ScheduledSequence`` of one request in one
 step, in position order) take their tenant's prefill share like any prefill; a
-preempted or aborted one uncaches its blocks past its frontier first.
+preempted or aborted one uncaches its blocks past its frontier first. Their blocks
+are cached at admission, before they are written: a request whose hit includes
+such a block waits until its producer has computed it.
 
 Invariants:
 
@@ -102,6 +104,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from engine.core.assembly import anchor_of
 from engine.core.engine_request import EngineRequest
 from engine.core.module_assembler import ModuleAssembler
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
@@ -285,13 +288,21 @@ class Scheduler:
         self._active: dict[str | None, tuple[float, float]] = {}
 
     def reservation(self, req: EngineRequest) -> int:
-        """Blocks set aside for a request at admission (a compressed one's, once packed:
-        its packed blocks plus one block per ``block_size`` output tokens to come)."""
+        """Blocks set aside for a request at admission: its prompt and horizon, and for
+        a segmented request the module blocks it may hold until its copies (each
+        module's, whether cached or not); never more than the pool. A compressed one's,
+        once packed: its packed blocks plus one block per ``block_size`` output tokens
+        to come."""
         if req.packed_reservation is not None:
             return req.packed_reservation
         prompt = req.num_prompt_tokens
         tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
-        return -(-tokens // self.block_size)
+        blocks = -(-tokens // self.block_size)
+        if req.segmented is not None and self._assembles(req):
+            anchor = len(anchor_of(req.segmented))
+            blocks += sum(-(-(anchor + len(s.token_ids)) // self.block_size)
+                          for s in req.segmented.segments if s.module is not None)
+        return min(blocks, self.num_blocks)
 
     def add(self, req: EngineRequest) -> None:
         self.waiting.append(req)
@@ -467,16 +478,22 @@ class Scheduler:
 
     def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
         """True when the next block ``req`` could hit is one a running request has not
-        computed yet: admitting ``req`` now would compute it a second time."""
+        computed yet (admitting ``req`` now would compute it a second time), or when
+        one of its hits is a block a segmented request still assembling cached at
+        admission and has not written yet (its exact head or assembled blocks)."""
         if not self.kv_cache_manager.enable_caching:
             return False
         index = num_cached // self.block_size
-        if index >= (req.kv.num_tokens - 1) // self.block_size:
-            return False
-        wanted = req.kv.block_hashes[index]
+        hit = req.kv.block_hashes[:index]
+        wanted = req.kv.block_hashes[index] if index < (req.kv.num_tokens - 1) // self.block_size else None
         for other in self.running:
-            first = other.num_computed_tokens // self.block_size
-            if other.num_uncomputed_tokens > 1 and wanted in other.kv.block_hashes[first:]:
+            assembling = other.assembly is not None and other.assembly.active
+            if other.num_uncomputed_tokens <= 1 and not assembling:
+                continue
+            pending = other.kv.block_hashes[other.num_computed_tokens // self.block_size :]
+            if wanted is not None and wanted in pending:
+                return True
+            if hit and assembling and not set(pending).isdisjoint(hit):
                 return True
         return False
 

@@ -12,10 +12,13 @@ can ever share a hash with a block of an exact prompt.
   included (hashed with a ``P`` record and its length, so a partial block never
   equals a full one).
 * An *assembled chain* names the blocks of a request whose KV was built from
-  modules: the request's ordinary chain (:class:`~engine.kvcache.request.Request`)
-  rooted at ``SHA256("prefixgate/assembled/v1" | key)``, ``key`` describing the
-  segmentation and the recovery (:func:`assembly_key` callers build it), so equal
-  segmented requests share their blocks exactly and never an exact request's.
+  modules, from its first block that holds a module token on: the request's
+  ordinary chain (:class:`~engine.kvcache.request.Request`) continued from
+  ``SHA256("prefixgate/assembled/v2" | key | parent)``, ``parent`` the hash of the
+  block before (the root for block 0) and ``key`` describing the segmentation and
+  the recovery (:func:`assembly_key` callers build it), so equal segmented requests
+  share their blocks exactly and never an exact request's. The full blocks before
+  the first module (the chat head) are computed exactly and keep the exact chain.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from engine.kvcache.block_hash import BlockHash, hash_block_tokens, pack_token_ids
+from engine.kvcache.block_hash import ROOT_BLOCK_HASH, BlockHash, hash_block_tokens, pack_token_ids
 
 _U32 = struct.Struct("<I")
 
@@ -56,6 +59,7 @@ def module_block_hashes(token_ids: Sequence[int], block_size: int, root: BlockHa
     return hashes
 
 
-def assembled_root(key: bytes) -> BlockHash:
-    """Root of the block chain of a request assembled from modules, described by ``key``."""
-    return hashlib.sha256(b"prefixgate/assembled/v1" + _field(key)).digest()
+def assembled_root(key: bytes, parent: BlockHash = ROOT_BLOCK_HASH) -> BlockHash:
+    """Parent of the first assembled block of a request described by ``key``, whose
+    block before it hashes to ``parent`` (the root when there is none)."""
+    return hashlib.sha256(b"prefixgate/assembled/v2" + _field(key) + parent).digest()

@@ -25,9 +25,11 @@ class Request:
       have a hash, so ``len(block_hashes) == num_tokens // bs``.
     * the prompt, the salt, the LoRA id and the multimodal items never change;
       output tokens are only appended.
-    * with ``assembly`` (a request whose KV is built from prompt modules), the chain
-      starts at :func:`~engine.kvcache.module_hash.assembled_root` of it instead of
-      the root: its blocks are never found by, nor find, an exact request's.
+    * with ``assembly`` (a request whose KV is built from prompt modules), the first
+      ``exact_blocks`` blocks (exact KV: before the first module) chain from the root
+      like any request's; from block ``exact_blocks`` on the chain continues from
+      :func:`~engine.kvcache.module_hash.assembled_root` of it: those blocks are never
+      found by, nor find, an exact request's.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class Request:
         *,
         block_size: int | None = None,
         assembly: bytes | None = None,
+        exact_blocks: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -70,7 +73,7 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.block_size: int | None = None
         self.assembly = assembly
-        self._root = ROOT_BLOCK_HASH if assembly is None else assembled_root(assembly)
+        self.exact_blocks = exact_blocks if assembly is not None else None
         if block_size is not None:
             self.bind_block_size(block_size)
 
@@ -114,11 +117,25 @@ class Request:
     def _extend_block_hashes(self) -> None:
         if self.block_size is None:
             return
+        tokens = self._all_token_ids
+        if self.exact_blocks is not None and len(self.block_hashes) <= self.exact_blocks:
+            self._extend_chain(tokens[: self.exact_blocks * self.block_size])
+            if len(self.block_hashes) < self.exact_blocks:
+                return
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
+            assert self.assembly is not None
+            self._extend_chain(tokens, assembled_root(self.assembly, parent))
+        else:
+            self._extend_chain(tokens)
+
+    def _extend_chain(self, tokens: list[int], parent: BlockHash | None = None) -> None:
+        assert self.block_size is not None
         start = len(self.block_hashes)
-        parent = self.block_hashes[-1] if self.block_hashes else self._root
+        if parent is None:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
         self.block_hashes.extend(
             hash_block_chain(
-                self._all_token_ids,
+                tokens,
                 self.block_size,
                 cache_salt=self.cache_salt,
                 lora_id=self.lora_id,

@@ -51,19 +51,23 @@ class Segment:
 class Recovery:
     """How much of reused module KV to recompute at its new place.
 
-    ``none``: nothing (the paper); ``epic``: the first ``first_tokens`` tokens of
-    every reused module; ``cacheblend``: the ``fraction`` of reused tokens whose KV
+    ``none``: nothing (the paper); ``epic``: the first ``first_tokens`` and the last
+    ``last_tokens`` tokens (the boundary into the next segment) of every reused
+    module; ``cacheblend``: the ``fraction`` of reused tokens whose KV
     deviates most from what this prompt's context would give."""
 
     mode: RecoveryMode = "epic"
     first_tokens: int = 16
     fraction: float = 0.15
+    last_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
             raise ValueError(f"recovery mode must be one of {', '.join(RECOVERY_MODES)}, got {self.mode!r}")
         if not isinstance(self.first_tokens, int) or self.first_tokens < 0:
             raise ValueError(f"first_tokens must be an integer >= 0, got {self.first_tokens!r}")
+        if not isinstance(self.last_tokens, int) or self.last_tokens < 0:
+            raise ValueError(f"last_tokens must be an integer >= 0, got {self.last_tokens!r}")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"fraction must be within [0, 1], got {self.fraction!r}")
 

@@ -16,7 +16,7 @@ Generation requests (called by :class:`~engine.server.request_handler.RequestHan
 * ``/v1/chat/completions`` with ``"segment_reuse": true`` (default: the server's
   ``--segment-reuse``) cuts the rendered prompt into document segments
   (:mod:`engine.promptcache.segment_reuse`);
-* both take ``"recovery": {"mode": "none"|"epic"|"cacheblend", "first_tokens", "fraction"}``
+* both take ``"recovery": {"mode": "none"|"epic"|"cacheblend", "first_tokens", "last_tokens", "fraction"}``
   (default :class:`~engine.promptcache.segments.Recovery`).
 
 Every client mistake is an :class:`~engine.contract.errors.APIError` 4xx: a PML
@@ -75,19 +75,22 @@ def parse_recovery(value: object) -> Recovery:
         return Recovery()
     if not isinstance(value, dict):
         raise errors.invalid_param("'recovery' must be an object {\"mode\": ...}.", "recovery", "invalid_type")
-    unknown = sorted(set(value) - {"mode", "first_tokens", "fraction"})
+    unknown = sorted(set(value) - {"mode", "first_tokens", "last_tokens", "fraction"})
     if unknown:
         raise errors.invalid_param(f"'recovery' has no field {unknown[0]!r}.", "recovery")
     default = Recovery()
-    first = value.get("first_tokens", default.first_tokens)
+    counts = {"first_tokens": value.get("first_tokens", default.first_tokens),
+              "last_tokens": value.get("last_tokens", default.last_tokens)}
+    for name, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 1 << 20:
+            raise errors.invalid_param(f"'recovery.{name}' must be an integer in [0, {1 << 20}].",
+                                       f"recovery.{name}")
     fraction = value.get("fraction", default.fraction)
-    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= 1 << 20:
-        raise errors.invalid_param(f"'recovery.first_tokens' must be an integer in [0, {1 << 20}].",
-                                   "recovery.first_tokens")
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise errors.invalid_param("'recovery.fraction' must be a number.", "recovery.fraction")
     try:
-        return Recovery(value.get("mode", default.mode), first, float(fraction))
+        return Recovery(value.get("mode", default.mode), counts["first_tokens"], float(fraction),
+                        counts["last_tokens"])
     except ValueError as exc:
         raise errors.invalid_param(str(exc), "recovery") from None
 

@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from engine.core.engine_request import EngineRequest
 from engine.core.llm_engine import GenerationRequest, SamplingParams
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
@@ -34,6 +35,12 @@ def submit(engine, sp: SegmentedPrompt | None, prompt=None, *, salt=None, max_to
     prompt = list(sp.token_ids) if sp is not None else list(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.submit(GenerationRequest(rid or f"m-{next(_ids)}", prompt, params, cache_salt=salt, segmented=sp))
+
+
+def engine_request(engine, sp: SegmentedPrompt, max_tokens: int = 150) -> EngineRequest:
+    gen = GenerationRequest(f"m-{next(_ids)}", list(sp.token_ids), SamplingParams(max_tokens=max_tokens), segmented=sp)
+    return EngineRequest(gen, block_size=engine.kv_cache_manager.block_size, max_model_len=1000, tokenizer=None,
+                         eos_token_ids=(), fallback_seed=0)
 
 
 def run(engine, sp, prompt=None, **kw):
@@ -71,7 +78,8 @@ def test_all_plain_segments_compute_exactly(make_tiny_engine):
     out_seg, _ = run(engine, plain, rid="seg")
     out_exact, exact = run(engine, None, plain.token_ids, rid="exact")
     assert out_seg == out_exact and torch.equal(logits["seg"], logits["exact"])
-    assert exact.num_cached_tokens == 0  # the assembled chain is never an exact request's
+    # No module: every token is exact, so its full blocks are on the exact chain.
+    assert exact.num_cached_tokens == (len(plain.token_ids) - 1) // 16 * 16
 
 
 def test_module_at_its_encode_position_gives_exact_prefill(make_tiny_engine):
@@ -85,6 +93,51 @@ def test_module_at_its_encode_position_gives_exact_prefill(make_tiny_engine):
     assert seg.num_cached_tokens == 40
     out_exact, _ = run(engine, None, sp.token_ids, rid="exact")
     assert out_seg == out_exact and torch.equal(logits["seg"], logits["exact"])
+
+
+LONG_HEAD = tuple(range(60, 100))  # 40 tokens: two full blocks before the first module
+
+
+@pytest.mark.parametrize("exact_first", [True, False])
+def test_the_head_before_the_first_module_is_shared_with_exact_requests(make_tiny_engine, exact_first):
+    sp = segmented([10, 11], head=LONG_HEAD)
+    fresh = make_tiny_engine()
+    out_fresh, _ = run(fresh, sp, rid="seg")  # nothing cached: the head is computed
+    engine = make_tiny_engine()
+    logits: dict[str, torch.Tensor] = {}
+    engine.first_logits_observer = lambda rid, row: logits.__setitem__(rid, row.clone())
+    if exact_first:
+        out_exact, _ = run(engine, None, sp.token_ids, rid="exact")
+        out_seg, seg = run(engine, sp, rid="seg")
+        assert seg.num_cached_tokens == 32  # the head's two full blocks; the modules were encoded here
+        assert out_seg == out_fresh
+    else:
+        out_seg, _ = run(engine, sp, rid="seg")
+        out_exact, exact = run(engine, None, sp.token_ids, rid="exact")
+        assert exact.num_cached_tokens == 32  # the head only: never an assembled block
+        fresh_exact, _ = run(fresh, None, sp.token_ids, rid="exact-fresh")
+        assert out_exact == fresh_exact
+    _, other = run(engine, segmented([10, 11], head=(1, *LONG_HEAD[1:])), rid="other")
+    assert other.num_cached_tokens == 80  # its modules, not the other head's blocks
+    kv = engine.kv_cache_manager
+    assert engine.call(lambda: kv.num_free_blocks == kv.num_blocks)
+    engine.call(kv.check_integrity)
+
+
+def test_an_exact_request_waits_for_a_head_a_segmented_one_has_not_written(make_tiny_engine):
+    sp = segmented([12, 13], head=LONG_HEAD)
+    fresh = make_tiny_engine()
+    want_seg, _ = run(fresh, sp, rid="seg")
+    want_exact, _ = run(make_tiny_engine(), None, sp.token_ids, rid="exact")
+    engine = make_tiny_engine(max_num_batched_tokens=16)  # the modules' encodes take 5 steps
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    futures = [engine.submit(GenerationRequest(rid, list(sp.token_ids), params, segmented=seg, tenant=rid))
+               for rid, seg in (("seg", sp), ("exact", None))]  # two tenants: both scheduled each step
+    got = [[t for o in f.result(timeout=120) for t in o.new_token_ids] for f in futures]
+    assert got == [want_seg, want_exact]
+    kv = engine.kv_cache_manager
+    assert engine.call(lambda: kv.num_free_blocks == kv.num_blocks)
+    engine.call(kv.check_integrity)
 
 
 def test_exact_requests_never_hit_assembled_blocks_and_equal_ones_share(tiny_engine):
@@ -129,9 +182,12 @@ def test_module_blocks_are_evicted_under_pressure(make_tiny_engine):
 
 
 def test_preempted_segmented_request_reassembles_to_the_same_tokens(make_tiny_engine):
-    engine = make_tiny_engine(kv_cache_memory_gib=24 * 16 * 512 / 1024**3)
+    # 26 blocks: both reservations fit (7 prompt and horizon blocks + 6 module blocks
+    # each), their 16 blocks each of decoding do not.
+    engine = make_tiny_engine(kv_cache_memory_gib=26 * 16 * 512 / 1024**3)
     engine.scheduler.reserve_horizon = 8
     sps = [segmented([30, 31]), segmented([31, 32])]
+    assert [engine.scheduler.reservation(engine_request(engine, sp)) for sp in sps] == [13, 13]
     solo = [run(engine, sp, max_tokens=150)[0] for sp in sps]
     engine.call(engine.kv_cache_manager.reset_prefix_cache)
 

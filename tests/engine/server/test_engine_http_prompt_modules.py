@@ -159,6 +159,7 @@ def test_hostile_schemas_get_400_naming_line_and_column(http, pml, fragment):
     ({"prompt_format": "xml"}, "prompt_format"),
     ({"prompt_format": "pml", "recovery": {"mode": "magic"}}, "recovery"),
     ({"prompt_format": "pml", "recovery": {"mode": "epic", "first_tokens": -1}}, "recovery.first_tokens"),
+    ({"prompt_format": "pml", "recovery": {"mode": "epic", "last_tokens": 1.5}}, "recovery.last_tokens"),
     ({"prompt_format": "pml", "recovery": [1]}, "recovery"),
     ({"recovery": {"mode": "none"}}, "recovery"),
     ({"prompt_format": "pml", "prompt": [1, 2, 3]}, "prompt"),

@@ -1,0 +1,39 @@
+"""The assembly plan's pure functions: which positions a segmented request computes."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.assembly import assembly_key, exact_head_tokens, plan_runs
+from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
+
+
+def prompt(recovery: Recovery, head: int = 4) -> SegmentedPrompt:
+    segs = [Segment(tuple(range(1, head + 1)))] if head else []
+    segs += [Segment(tuple(range(100, 110)), "a"), Segment(tuple(range(200, 210)), "b"), Segment((7, 8, 9))]
+    return SegmentedPrompt(tuple(segs), recovery)
+
+
+@pytest.mark.parametrize(("recovery", "runs"), [
+    (Recovery("none"), [(0, 4), (24, 27)]),
+    (Recovery("epic", first_tokens=2), [(0, 6), (14, 16), (24, 27)]),
+    (Recovery("epic", first_tokens=2, last_tokens=3), [(0, 6), (11, 16), (21, 27)]),
+    (Recovery("epic", first_tokens=0, last_tokens=20), [(0, 27)]),
+])
+def test_plan_runs_computes_plain_segments_and_the_recovery_tokens(recovery, runs):
+    sp = prompt(recovery)
+    assert plan_runs(sp, 0, len(sp.token_ids)) == runs
+    assert plan_runs(sp, 16, len(sp.token_ids)) == [(max(s, 16), e) for s, e in runs if e > 16]
+
+
+def test_last_tokens_is_another_assembly_and_must_be_non_negative():
+    assert assembly_key(prompt(Recovery("epic", last_tokens=4))) != assembly_key(prompt(Recovery("epic")))
+    with pytest.raises(ValueError, match="last_tokens"):
+        Recovery("epic", last_tokens=-1)
+
+
+def test_exact_head_is_everything_before_the_first_module():
+    assert exact_head_tokens(prompt(Recovery("none"))) == 4
+    assert exact_head_tokens(prompt(Recovery("none"), head=0)) == 0
+    plain = SegmentedPrompt((Segment((1, 2)), Segment((3,))))
+    assert exact_head_tokens(plain) == 3
