@@ -8,6 +8,10 @@ inside a layer's retained tokens (all precede the new one), only the padding pas
 each request's count. All compressed decodes of a batch are attended together per
 layer: their page tables padded to the longest with the storage's pad page.
 
+Each layer also records, per sequence, the attention its query paid to each packed
+token (summed over heads), handed to :meth:`PackedKV.add_scores` after the forward:
+the decode-time re-selection's evidence (:func:`engine.model.pyramid.reselect`).
+
 Not batch invariant like the exact path (:mod:`engine.model.attention`): compressed
 outputs are approximate by design; exact requests never come here.
 """
@@ -60,6 +64,9 @@ class PackedDecodes:
             hidden = torch.arange(pages * bs)[None, :] > counts[:, layer, None]
             self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :], where[:, layer],
                                             slot[:, layer]))
+        self.scores = torch.zeros((lay.num_layers, len(self.packed), max(pages_used) * bs))
+        """Per layer and sequence, the attention paid to each packed token (float32)."""
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
         """Write these rows' new K/V into their packed slots of ``layer``, then attend
@@ -81,10 +88,13 @@ class PackedDecodes:
         scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, groups, length]
         scores.masked_fill_(t.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        self.scores[layer, :, :length] = probs.float().sum(dim=(0, 2))
         chunk = torch.matmul(probs, values)  # [kv_heads, n, groups, head_dim]
         out[self.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
 
     def advance(self) -> None:
-        """After the forward: every layer of every sequence holds one more token."""
-        for p in self.packed:
+        """After the forward: every layer of every sequence holds one more token, and the
+        attention its query paid is added to its scores."""
+        for i, p in enumerate(self.packed):
             p.counts = [c + 1 for c in p.counts]
+            p.add_scores(self.scores[:, i])
