@@ -16,7 +16,9 @@ write: the licences in /usr/share/common-licenses (distinct files, by content).
     forced token's logprob under the raw distribution). Exact mode is scored the same
     way, and cross-checked against ``prompt_logprobs`` of prompt + continuation in
     one exact request (the same numbers up to bfloat16 batch effects). Swept over
-    ``--retentions`` (the deepest layer's share; the window fixed).
+    ``--retentions`` (the deepest layer's share; the window fixed), with decode-time
+    re-selection (every ``--window`` decoded tokens; the default 256 forced tokens
+    re-select 8 times) and, at ``--throughput-retention``, without it.
 (c) Throughput at a small pool: a second engine whose pool holds about four exact
     requests (2k prompt + output); 16 streams at once, each a shared 1,920-token
     document prefix plus its own 128-token tail (a RAG-like batch: prefix reuse works
@@ -24,12 +26,13 @@ write: the licences in /usr/share/common-licenses (distinct files, by content).
     batch then compressed batch, each under its own cache salt (both prefill the
     prefix once). Output tokens/s over each batch's wall time. Then (part "d") the
     same with 16 distinct 2,048-token prompts (nothing shared; prefill dominates).
+    Also recorded: requests running per step (mean, max) and re-selections.
 
 Targets (issue 22): (a) <= 0.5x exact at 2k with (b) perplexity <= 1.10x exact;
 (c) >= 1.8x output tokens/s. Prints a table, writes benchmarks/results/kv_compression.json.
 
 Usage: .venv/bin/python benchmarks/kv_compression.py [--retentions 0.3 0.2 0.1] [--docs 3]
-       [--continuation 64] [--tokens 64] [--sizes 2048] [--computed-sizes 2048 4096 8000] [--skip a b c]
+       [--continuation 256] [--tokens 256] [--sizes 2048] [--computed-sizes 2048 4096 8000] [--skip a b c]
 Example: .venv/bin/python benchmarks/kv_compression.py --retentions 0.5 0.3 0.2 0.1 --docs 6
 """
 
@@ -136,7 +139,7 @@ def nll(outputs: list[Any]) -> list[float]:
 
 
 def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], pools: list[int],
-               n: int, window: int, num_docs: int) -> dict[str, Any]:
+               n: int, window: int, num_docs: int, no_reselect: float) -> dict[str, Any]:
     chosen = dict(list((name, ids) for name, ids in docs.items() if len(ids) >= CONTEXT + n)[:num_docs])
     prompts = {name: ids[:CONTEXT] for name, ids in chosen.items()}
     targets = {name: ids[CONTEXT : CONTEXT + n] for name, ids in chosen.items()}
@@ -160,13 +163,19 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     rows = [{"setting": "exact (prompt_logprobs)", "min_retention": 1.0, "ppl": ppl(by_prompt)}]
     exact = forced("none")
     rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
-    for r in retentions:
-        for pool in pools:
-            schedule = PyramidSchedule(r, window, pool=pool)
-            engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
-            kept = sum(schedule.keep_counts(CONTEXT, engine.layout.num_layers)) / (CONTEXT * engine.layout.num_layers)
-            rows.append({"setting": f"pyramid min {r:g} pool {pool}", "min_retention": r, "pool": pool,
-                         "kept_share": kept, "ppl": ppl(forced("pyramid"))})
+    layers = engine.layout.num_layers
+    settings = [(r, pool, True) for r in retentions for pool in pools]
+    settings += [(r, 1, False) for r in retentions if r == no_reselect]
+    for r, pool, again in settings:
+        schedule = PyramidSchedule(r, window, pool=pool, reselect=again)
+        engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
+        before = engine.num_reselections
+        kept = sum(schedule.keep_counts(CONTEXT, layers)) / (CONTEXT * layers)
+        held = sum(schedule.held_counts(CONTEXT, CONTEXT + n, layers)) / ((CONTEXT + n) * layers)
+        rows.append({"setting": f"pyramid min {r:g} pool {pool}" + ("" if again else " no re-selection"),
+                     "min_retention": r, "pool": pool, "reselect": again, "kept_share": kept,
+                     "held_share_at_end_bound": held, "ppl": ppl(forced("pyramid")),
+                     "reselections": engine.num_reselections - before})
     base = rows[1]["ppl"]
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / base
@@ -191,9 +200,21 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
                                            kv_min_retention=retention, kv_window=window))
     out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
                            "streams": STREAMS, "output_tokens_each": tokens}
+    running: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting() -> Any:
+        work = schedule()
+        if work.scheduled:
+            running.append(len(engine.scheduler.running))
+        return work
+
+    engine.scheduler.schedule = counting  # type: ignore[method-assign]
     try:
         for mode in ("none", "pyramid"):
             before = engine.stats().num_preemptions
+            reselections = engine.num_reselections
+            running.clear()
             start = time.perf_counter()
             streams = [submit(engine, p, mode, f"c-{mode}", max_tokens=tokens, ignore_eos=True) for p in prompts]
             total = sum(len(t) for s in streams for t in (o.new_token_ids for o in s.result(timeout=7200)))
@@ -201,8 +222,11 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
             stats = engine.stats()
             out[mode] = {"wall_s": wall, "output_tokens": total, "tokens_per_s": total / wall,
                          "preemptions": stats.num_preemptions - before, "compressed": stats.kv_compressed,
+                         "reselections": engine.num_reselections - reselections,
+                         "running_mean": sum(running) / len(running), "running_max": max(running),
                          "load_avg_after": os.getloadavg()}
-            print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s", flush=True)
+            print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s, running "
+                  f"{out[mode]['running_mean']:.1f} on average (max {out[mode]['running_max']})", flush=True)
         kv = engine.kv_cache_manager
         engine.call(kv.check_integrity)
         out["all_blocks_free"] = kv.num_free_blocks == kv.num_blocks
@@ -215,7 +239,7 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--retentions", type=float, nargs="+", default=[0.3, 0.2, 0.1])
-    parser.add_argument("--pools", type=int, nargs="+", default=[1, 7],
+    parser.add_argument("--pools", type=int, nargs="+", default=[1],
                         help="score pooling widths swept in (b) (PyramidSchedule.pool)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048],
                         help="prompt sizes whose compressed blocks are measured (a request each)")
@@ -223,8 +247,8 @@ def main() -> int:
                         help="prompt sizes whose blocks are computed from the schedule (the counts per "
                         "layer do not depend on which tokens are picked)")
     parser.add_argument("--docs", type=int, default=3, help="documents scored in (b)")
-    parser.add_argument("--continuation", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--continuation", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--throughput-retention", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=None)
@@ -244,7 +268,7 @@ def main() -> int:
             result["kv_held"] = kv_held(engine, docs, args.sizes, args.computed_sizes)
         if "b" not in args.skip:
             result["perplexity"] = perplexity(engine, docs, args.retentions, args.pools, args.continuation,
-                                              args.window, args.docs)
+                                              args.window, args.docs, args.throughput_retention)
     finally:
         engine.shutdown()
     if "c" not in args.skip:
@@ -269,7 +293,8 @@ def main() -> int:
         for mode in ("none", "pyramid"):
             print(f"| c | {mode}, {t['streams']} streams ({t['prompts']}), pool {t['pool_blocks']} blocks | "
                   f"{t[mode]['tokens_per_s']:.2f} tok/s ({t[mode]['wall_s']:.0f} s, {t[mode]['compressed']} "
-                  f"compressed, {t[mode]['preemptions']} preempted) | "
+                  f"compressed, {t[mode]['preemptions']} preempted, running {t[mode]['running_mean']:.1f} "
+                  f"(max {t[mode]['running_max']})) | "
                   f"{t[mode]['tokens_per_s'] / t['none']['tokens_per_s']:.2f}x |")
     print(f"wrote {RESULTS}")
     return 0

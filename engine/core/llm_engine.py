@@ -453,19 +453,24 @@ class LLMEngine:
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies
             self._offload(work, inputs)
         for s, capture in zip(work.scheduled, captures, strict=True):
-            if capture is not None and s.request in self.scheduler.running:
-                self._compress(s.request, capture)
-            packed = s.request.packed
-            if (packed is not None and self.pyramid.reselect and packed.since_selection >= self.pyramid.window
-                    and s.request in self.scheduler.running):
-                self._reselect(s.request)
+            req, packed = s.request, s.request.packed
+            if req not in self.scheduler.running:
+                continue
+            if capture is not None and packed is None:
+                self._compress(req, capture)
+            elif capture is not None or (packed is not None and self.pyramid.reselect
+                                         and packed.since_selection >= self.pyramid.window):
+                self._reselect(req, capture)
 
     def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
-        """An attention capture for the chunk that ends a compressed request's prefill."""
-        if (not req.compress or req.stays_exact or req.packed is not None or end != req.kv.num_tokens
-                or end - start < 2):
+        """An attention capture for the chunk that ends a compressed request's prefill, or
+        with progressive compression for every prefill chunk from ``min_tokens`` on."""
+        if not req.compress or req.stays_exact or end - start < 2:
             return None
-        return AttentionCapture(self.pyramid.window) if end >= self.pyramid.min_tokens else None
+        if req.packed is not None:  # a chunk over packed pages: selects again
+            return AttentionCapture(self.pyramid.window)
+        last = end == req.kv.num_tokens or self.pyramid.progressive
+        return AttentionCapture(self.pyramid.window) if last and end >= self.pyramid.min_tokens else None
 
     @property
     def pyramid(self) -> PyramidSchedule:
@@ -500,10 +505,17 @@ class LLMEngine:
             self.compressed_tokens += n
             self.retained_tokens += packed.num_tokens / self.layout.num_layers
 
-    def _reselect(self, req: EngineRequest) -> None:
+    def _reselect(self, req: EngineRequest, capture: AttentionCapture | None = None) -> None:
         """Select a packed request's tokens again from its recent decode queries'
-        attention; the blocks that frees go back to the pool (between steps)."""
+        attention (or its last prefill chunk's, ``capture``); the blocks that frees go
+        back to the pool (between steps)."""
         assert req.packed is not None
+        if capture is not None:
+            layers = self.layout.num_layers
+            scores = torch.zeros((layers, max(c.numel() for c in capture.scores.values())))
+            for layer, values in capture.scores.items():
+                scores[layer, : values.numel()] = values
+            req.packed.scores = scores
         try:
             keep = reselect(req.packed, self.pyramid, req.num_computed_tokens)
             self.reselect_blocks_freed += self.scheduler.reselect(req, keep)

@@ -299,20 +299,21 @@ class Scheduler:
         # tenant -> (the cost of the demand it arrived with, when it last had prefill work)
         self._active: dict[str | None, tuple[float, float]] = {}
 
-    def reservation(self, req: EngineRequest) -> int:
+    def reservation(self, req: EngineRequest, hit_tokens: int = 0) -> int:
         """Blocks set aside for a request at admission: its prompt and horizon, and for
         a segmented request the module blocks it may hold until its copies (each
         module's, whether cached or not); never more than the pool. A compressed one's:
         the most it holds, exact during its prefill or packed up to its horizon
-        (:meth:`packed_blocks`). Fixed from admission to removal (``req.reserved``),
-        except where :meth:`compress` changes it."""
+        (:meth:`packed_blocks`; its exact part is at most its prefill, or with progressive
+        compression its prefix-cache hit ``hit_tokens`` plus a chunk or two). Fixed from
+        admission to removal (``req.reserved``), except where :meth:`compress` changes it."""
         if req.packed_reservation is not None:
             return req.packed_reservation
         prompt = req.num_prompt_tokens
         tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
         if self._compresses(req):
-            return min(max(-(-req.kv.num_tokens // self.block_size), self.packed_blocks(req.kv.num_tokens, tokens)),
-                       self.num_blocks)
+            return min(max(-(-self._exact_tokens(req, hit_tokens) // self.block_size),
+                           self.packed_blocks(req.kv.num_tokens, tokens)), self.num_blocks)
         blocks = -(-tokens // self.block_size)
         if req.segmented is not None and self._assembles(req):
             anchor = len(anchor_of(req.segmented))
@@ -324,6 +325,13 @@ class Scheduler:
         """``req`` will be compressed at the end of its prefill (it asks and is long enough)."""
         return (req.compress and not req.stays_exact and self.pyramid is not None and req.segmented is None
                 and req.kv.num_tokens >= self.pyramid.min_tokens)
+
+    def _exact_tokens(self, req: EngineRequest, hit_tokens: int) -> int:
+        """The most tokens a compressed request holds exactly, before it is packed."""
+        assert self.pyramid is not None
+        if not self.pyramid.progressive:
+            return req.kv.num_tokens
+        return min(req.kv.num_tokens, max(hit_tokens, self.pyramid.min_tokens) + self.max_num_batched_tokens)
 
     def packed_blocks(self, prefill_tokens: int, total_tokens: int) -> int:
         """The most blocks a request compressed at ``prefill_tokens`` holds up to
@@ -417,7 +425,10 @@ class Scheduler:
         for req in queue:
             if used >= allowance or step.budget <= 0:
                 break
-            n = _last_chunk_guard(req, min(req.num_uncomputed_tokens, allowance - used, step.budget))
+            n = min(req.num_uncomputed_tokens, allowance - used, step.budget)
+            if req.packed is not None and self.pyramid is not None:  # a progressive chunk over packed pages
+                n = min(n, self.pyramid.chunk)
+            n = _last_chunk_guard(req, n)
             if req in self.running:
                 n = min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end))
                 if n <= 0:
@@ -458,6 +469,10 @@ class Scheduler:
             hits, num_cached = hits[:-1], num_cached - self.block_size
         if self._next_block_in_progress(req, num_cached):
             return None
+        if self._compresses(req):  # its exact part depends on its hit
+            need = self.reservation(req, num_cached)
+            if self.reserved_blocks + need > self.num_blocks:
+                return None
         n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most, step.most_tokens(num_cached, cost)),
                               num_cached)
         if n <= 0:
@@ -517,8 +532,8 @@ class Scheduler:
         wanted = req.kv.block_hashes[index] if index < (req.kv.num_tokens - 1) // self.block_size else None
         for other in self.running:
             assembling = other.assembly is not None and other.assembly.active
-            if other.num_uncomputed_tokens <= 1 and not assembling:
-                continue
+            if (other.num_uncomputed_tokens <= 1 and not assembling) or other.packed is not None:
+                continue  # (a packed request's prefill caches nothing)
             pending = other.kv.block_hashes[other.num_computed_tokens // self.block_size :]
             if wanted is not None and wanted in pending:
                 return True
@@ -588,7 +603,7 @@ class Scheduler:
             req.packed = packed
             prompt = req.num_prompt_tokens
             total = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
-            req.packed_reservation = self.packed_blocks(req.num_computed_tokens, total)
+            req.packed_reservation = self.packed_blocks(req.kv.num_tokens, total)
         req.reserved = self.reservation(req)
         self.reserved_blocks += req.reserved - old
         return done

@@ -21,7 +21,10 @@ Selection again while decoding (``PyramidSchedule.reselect``, on by default): ev
 token, per layer (summed over heads, :class:`~engine.model.packed_attention.PackedDecodes`),
 picks again: layer ``l`` keeps its ``window`` most recent tokens plus the best-scored
 others up to ``ceil(retention(l) * length)`` of the sequence's current length
-(:func:`reselect`). So a layer holds at most ``keep(length) + window`` tokens
+(:func:`reselect`). With ``progressive``, the prefill is compressed as soon as a chunk
+reaches ``min_tokens`` and every later chunk (at most ``chunk`` tokens) is computed over
+the packed pages and selects again from its own last ``window`` queries, so the exact
+blocks of a long prompt are never all held. So a layer holds at most ``keep(length) + window`` tokens
 (:meth:`PyramidSchedule.held_counts`), and the request's reservation follows that.
 """
 
@@ -54,6 +57,10 @@ class PyramidSchedule:
     """Odd width of the moving average applied to the scores before picking (1: none)."""
     reselect: bool = True
     """Select again every ``window`` decoded tokens (else decode tokens are all kept)."""
+    progressive: bool = False
+    """Compress after the first prefill chunk that reaches ``min_tokens``; later chunks
+    are computed over the packed pages (at most ``chunk`` tokens each) and select again."""
+    chunk: int = 128
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_retention, int | float) or not 0 < self.min_retention <= 1:
@@ -62,6 +69,8 @@ class PyramidSchedule:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
             raise ValueError(f"min_tokens must be an int >= 1, got {self.min_tokens!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1, got {self.chunk!r}")
 
     def retention(self, layer: int, num_layers: int) -> float:
         depth = layer / (num_layers - 1) if num_layers > 1 else 0.0
@@ -74,13 +83,16 @@ class PyramidSchedule:
 
 
     def held_counts(self, prefill_tokens: int, total_tokens: int, num_layers: int) -> list[int]:
-        """The most tokens each layer of a request compressed at ``prefill_tokens`` holds
-        while it grows to ``total_tokens``: with re-selection, what the last selection kept
-        plus the ``window`` decoded since; without, the prefill's selection plus every
-        decoded token."""
+        """The most tokens each layer of a request whose prefill ends at ``prefill_tokens``
+        holds while it grows to ``total_tokens``: with re-selection, what the last
+        selection kept plus the ``window`` decoded since (or a progressive chunk);
+        without, the prefill's selection plus every decoded token (or a chunk)."""
+        extra = max(self.window, self.chunk) if self.progressive else 0
         if self.reselect:
-            return [min(total_tokens, keep + self.window) for keep in self.keep_counts(total_tokens, num_layers)]
-        return [keep + total_tokens - prefill_tokens for keep in self.keep_counts(prefill_tokens, num_layers)]
+            return [min(total_tokens, keep + max(self.window, extra))
+                    for keep in self.keep_counts(total_tokens, num_layers)]
+        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, extra))
+                for keep in self.keep_counts(prefill_tokens, num_layers)]
 
 
 @dataclass

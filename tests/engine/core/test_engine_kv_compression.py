@@ -279,6 +279,7 @@ def test_reselection_keeps_the_recent_window_and_the_most_attended():
     assert {1, 7, 9, 16, 17, 18, 19} <= set(deepest) and deepest == sorted(deepest)
     assert PyramidSchedule(0.25, 4).held_counts(40, 50, 3) == [50, 26, 17]
     assert PyramidSchedule(0.25, 4, reselect=False).held_counts(40, 50, 3) == [50, 28, 20]
+    assert PyramidSchedule(0.25, 4, progressive=True, chunk=8).held_counts(40, 50, 3) == [50, 30, 21]
 
 
 def test_compressed_requests_are_admitted_by_what_they_hold(make_engine):
@@ -308,3 +309,56 @@ def test_compressed_requests_are_admitted_by_what_they_hold(make_engine):
     drive(engine, reqs)
     assert engine.num_compressed == 6 and sched.num_preemptions == 0
     assert most >= 3  # exact mode: 2
+
+
+def progressive(engine, **overrides):
+    from engine.model.pyramid import PyramidSchedule
+
+    settings = {"min_retention": engine.pyramid.min_retention, "window": engine.pyramid.window,
+                "progressive": True, "chunk": 48}
+    settings.update(overrides)
+    engine.pyramid = PyramidSchedule(**settings)
+    return engine
+
+
+def test_progressive_prefill_with_full_retention_decodes_like_exact(make_engine):
+    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64), min_tokens=64)
+    prompt = prompt_of(300, offset=9)
+    exact = run(engine, prompt, mode="none", max_tokens=24, logprobs=0, salt="a")
+    packed = run(engine, prompt, mode="pyramid", max_tokens=24, logprobs=0, salt="b")
+    assert engine.num_compressed == 1 and engine.num_reselections >= 5  # chunks of 48 after the first
+    assert tokens_of(packed) == tokens_of(exact)
+    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
+    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_progressive_prefill_never_holds_the_whole_prompt_exactly(make_engine):
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=16,
+                                     max_num_batched_tokens=128))
+    kv, sched = engine.kv_cache_manager, engine.scheduler
+    n = 700
+    req = engine._validate(GenerationRequest("g1", prompt_of(n, offset=3), SamplingParams(max_tokens=40,
+                                                                                          temperature=0.0)))
+    req.stream = OutputStream("g1", lambda _rid: None)
+    sched.add(req)
+    most, chunks = 0, []
+    schedule = sched.schedule
+
+    def recording():
+        work = schedule()
+        chunks.extend(s.num_new_tokens for s in work.scheduled if s.request is req and req.packed is not None)
+        return work
+
+    sched.schedule = recording
+    while sched.has_work():
+        engine.step()
+        kv.check_integrity()
+        assert sched.reserved_blocks <= sched.num_blocks
+        if req in sched.running:
+            most = max(most, len(kv.get_block_ids("g1")))
+            assert most <= req.reserved
+    assert engine.num_compressed == 1 and max(chunks) <= 48
+    assert most < 0.6 * -(-n // BS)
+    assert req.reserved < -(-n // BS)  # admitted by what it holds, not by its prompt
+    assert kv.num_free_blocks == kv.num_blocks
