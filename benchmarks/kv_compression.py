@@ -23,10 +23,12 @@ write: the licences in /usr/share/common-licenses (distinct files, by content).
     requests (2k prompt + output); 16 streams at once, each a shared 1,920-token
     document prefix plus its own 128-token tail (a RAG-like batch: prefix reuse works
     for both modes), ``--tokens`` greedy output tokens each (``ignore_eos``); exact
-    batch then compressed batch, each under its own cache salt (both prefill the
-    prefix once). Output tokens/s over each batch's wall time. Then (part "d") the
-    same with 16 distinct 2,048-token prompts (nothing shared; prefill dominates).
-    Also recorded: requests running per step (mean, max) and re-selections.
+    batch then the compressed batches (``--modes``: ``pyramid``, and
+    ``pyramid+progressive``, compressed chunk by chunk while prefilling), each under
+    its own cache salt (each prefills the prefix once). Output tokens/s over each
+    batch's wall time. Then (part "d", the issue's workload) the same with 16 distinct
+    2,048-token prompts (nothing shared). Also recorded: requests running per step
+    (mean, max) and re-selections.
 
 Targets (issue 22): (a) <= 0.5x exact at 2k with (b) perplexity <= 1.10x exact;
 (c) >= 1.8x output tokens/s. Prints a table, writes benchmarks/results/kv_compression.json.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -151,8 +154,8 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
         entries = stream.result(timeout=3600)[0].prompt_logprobs
         by_prompt[name] = [-e.logprob for e in entries[CONTEXT:]]
 
-    def forced(mode: str) -> dict[str, list[float]]:
-        runs = {name: submit(engine, prompts[name], mode, "b", max_tokens=n, logprobs=0,
+    def forced(mode: str, salt: str = "b") -> dict[str, list[float]]:
+        runs = {name: submit(engine, prompts[name], mode, salt, max_tokens=n, logprobs=0,
                              constraint=ForcedTokens(targets[name])) for name in chosen}
         return {name: nll(s.result(timeout=3600)) for name, s in runs.items()}
 
@@ -164,17 +167,21 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     exact = forced("none")
     rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
     layers = engine.layout.num_layers
-    settings = [(r, pool, True) for r in retentions for pool in pools]
-    settings += [(r, 1, False) for r in retentions if r == no_reselect]
-    for r, pool, again in settings:
-        schedule = PyramidSchedule(r, window, pool=pool, reselect=again)
+    settings = [(r, pool, True, False) for r in retentions for pool in pools]
+    settings += [(no_reselect, 1, False, False), (no_reselect, 1, True, True)]
+    for r, pool, again, progressive in settings:
+        schedule = PyramidSchedule(r, window, pool=pool, reselect=again, progressive=progressive)
         engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
         before = engine.num_reselections
         kept = sum(schedule.keep_counts(CONTEXT, layers)) / (CONTEXT * layers)
         held = sum(schedule.held_counts(CONTEXT, CONTEXT + n, layers)) / ((CONTEXT + n) * layers)
-        rows.append({"setting": f"pyramid min {r:g} pool {pool}" + ("" if again else " no re-selection"),
-                     "min_retention": r, "pool": pool, "reselect": again, "kept_share": kept,
-                     "held_share_at_end_bound": held, "ppl": ppl(forced("pyramid")),
+        rows.append({"setting": f"pyramid min {r:g} pool {pool}" + ("" if again else " no re-selection")
+                     + (" progressive" if progressive else ""),
+                     "min_retention": r, "pool": pool, "reselect": again, "progressive": progressive,
+                     "kept_share": kept,
+                     "held_share_at_end_bound": held,
+                     # a progressive prefill must not hit the exact prefix the other settings cached
+                     "ppl": ppl(forced("pyramid", f"b-{r}-progressive" if progressive else "b")),
                      "reselections": engine.num_reselections - before})
     base = rows[1]["ppl"]
     for row in rows:
@@ -184,7 +191,7 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
 
 
 def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window: int,
-               threads: int | None, bytes_per_block: int, distinct: bool) -> dict[str, Any]:
+               threads: int | None, bytes_per_block: int, distinct: bool, modes: list[str]) -> dict[str, Any]:
     bs = 16
     per_request = -(-(CONTEXT + tokens) // bs)
     names = list(docs)
@@ -201,38 +208,53 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
     out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
                            "streams": STREAMS, "output_tokens_each": tokens}
     running: list[int] = []
+    steps: list[tuple[float, bool]] = []  # (when a step was scheduled, whether it prefills)
     schedule = engine.scheduler.schedule
 
     def counting() -> Any:
         work = schedule()
         if work.scheduled:
             running.append(len(engine.scheduler.running))
+            steps.append((time.perf_counter(), any(x.num_new_tokens > 1 for x in work.scheduled)))
         return work
 
     engine.scheduler.schedule = counting  # type: ignore[method-assign]
     try:
-        for mode in ("none", "pyramid"):
+        for mode in modes:
+            pyramid = PyramidSchedule(retention, window, progressive=mode == "pyramid+progressive")
+            engine.call(lambda p=pyramid: setattr(engine, "pyramid", p))
             before = engine.stats().num_preemptions
+            compressed_before = engine.stats().kv_compressed
             reselections = engine.num_reselections
             running.clear()
+            steps.clear()
             start = time.perf_counter()
-            streams = [submit(engine, p, mode, f"c-{mode}", max_tokens=tokens, ignore_eos=True) for p in prompts]
+            streams = [submit(engine, p, mode.split("+")[0], f"c-{mode}", max_tokens=tokens, ignore_eos=True)
+                       for p in prompts]
             total = sum(len(t) for s in streams for t in (o.new_token_ids for o in s.result(timeout=7200)))
             wall = time.perf_counter() - start
             stats = engine.stats()
             out[mode] = {"wall_s": wall, "output_tokens": total, "tokens_per_s": total / wall,
-                         "preemptions": stats.num_preemptions - before, "compressed": stats.kv_compressed,
+                         "preemptions": stats.num_preemptions - before,
+                         "compressed": stats.kv_compressed - compressed_before,
                          "reselections": engine.num_reselections - reselections,
                          "running_mean": sum(running) / len(running), "running_max": max(running),
+                         # time between consecutive schedule calls, by whether the step prefilled
+                         "prefill_steps_s": sum(b[0] - a[0] for a, b in itertools.pairwise(steps) if a[1]),
+                         "decode_steps_s": sum(b[0] - a[0] for a, b in itertools.pairwise(steps) if not a[1]),
+                         "decode_steps": sum(1 for _, prefill in steps if not prefill),
                          "load_avg_after": os.getloadavg()}
             print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s, running "
-                  f"{out[mode]['running_mean']:.1f} on average (max {out[mode]['running_max']})", flush=True)
+                  f"{out[mode]['running_mean']:.1f} on average (max {out[mode]['running_max']}); steps with "
+                  f"prefill {out[mode]['prefill_steps_s']:.0f} s, decode-only {out[mode]['decode_steps_s']:.0f} s "
+                  f"({out[mode]['decode_steps']} steps)", flush=True)
         kv = engine.kv_cache_manager
         engine.call(kv.check_integrity)
         out["all_blocks_free"] = kv.num_free_blocks == kv.num_blocks
     finally:
         engine.shutdown()
-    out["ratio"] = out["pyramid"]["tokens_per_s"] / out["none"]["tokens_per_s"]
+    for mode in modes:
+        out[mode]["ratio"] = out[mode]["tokens_per_s"] / out["none"]["tokens_per_s"]
     return out
 
 
@@ -252,6 +274,9 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--throughput-retention", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--modes", nargs="+", default=["none", "pyramid", "pyramid+progressive"],
+                        choices=["none", "pyramid", "pyramid+progressive"],
+                        help="modes compared in (c)/(d); none first (the ratios are against it)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d"],
                         help="parts to skip (d: part (c) with 16 distinct prompts)")
     args = parser.parse_args()
@@ -273,10 +298,11 @@ def main() -> int:
         engine.shutdown()
     if "c" not in args.skip:
         result["throughput"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
-                                          args.threads, bytes_per_block, distinct=False)
+                                          args.threads, bytes_per_block, distinct=False, modes=args.modes)
     if "d" not in args.skip:
         result["throughput_distinct"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
-                                                   args.threads, bytes_per_block, distinct=True)
+                                                   args.threads, bytes_per_block, distinct=True,
+                                                   modes=args.modes)
     result["load_avg_after"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
@@ -290,7 +316,7 @@ def main() -> int:
         t = result.get(key)
         if not t:
             continue
-        for mode in ("none", "pyramid"):
+        for mode in args.modes:
             print(f"| c | {mode}, {t['streams']} streams ({t['prompts']}), pool {t['pool_blocks']} blocks | "
                   f"{t[mode]['tokens_per_s']:.2f} tok/s ({t[mode]['wall_s']:.0f} s, {t[mode]['compressed']} "
                   f"compressed, {t[mode]['preemptions']} preempted, running {t[mode]['running_mean']:.1f} "

@@ -142,7 +142,7 @@ class LLMEngine:
                                      model_fingerprint(model), event_sink=lambda: pool.event_sink)
             self.scheduler.block_loader = self.offload
         self.scheduler.num_layers = self.layout.num_layers
-        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window)
+        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window, progressive=config.kv_progressive)
         self.num_compressed = 0
         self.num_reselections = 0
         self.reselect_blocks_freed = 0

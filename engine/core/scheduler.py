@@ -430,7 +430,7 @@ class Scheduler:
                 n = min(n, self.pyramid.chunk)
             n = _last_chunk_guard(req, n)
             if req in self.running:
-                n = min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end))
+                n = _last_chunk_guard(req, min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end)))
                 if n <= 0:
                     break
                 if self._run(req, n, step):

@@ -87,12 +87,12 @@ class PyramidSchedule:
         holds while it grows to ``total_tokens``: with re-selection, what the last
         selection kept plus the ``window`` decoded since (or a progressive chunk);
         without, the prefill's selection plus every decoded token (or a chunk)."""
-        extra = max(self.window, self.chunk) if self.progressive else 0
+        chunk = max(self.window, self.chunk) if self.progressive else 0  # while prefilling
+        at_prefill = self.keep_counts(prefill_tokens, num_layers)
         if self.reselect:
-            return [min(total_tokens, keep + max(self.window, extra))
-                    for keep in self.keep_counts(total_tokens, num_layers)]
-        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, extra))
-                for keep in self.keep_counts(prefill_tokens, num_layers)]
+            return [min(total_tokens, max(p + chunk, keep + self.window))
+                    for p, keep in zip(at_prefill, self.keep_counts(total_tokens, num_layers), strict=True)]
+        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, chunk)) for keep in at_prefill]
 
 
 @dataclass
