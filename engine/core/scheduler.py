@@ -88,7 +88,9 @@ Invariants:
   request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests);
   those remembered for the cost budget had prefill work within ``fair_window_s``;
-* a compressed request (``req.packed``) is exact until its prefill ends; then
+* a compressed request (``req.packed``) is exact until its prefill ends (with
+  progressive packing, until a chunk reaches ``min_tokens``; its later chunks, at
+  most ``PyramidSchedule.chunk`` tokens, grow its packed pages); then
   :meth:`Scheduler.compress` swaps its blocks for packed ones (never holding both
   tables) and its reservation for the packed one; :meth:`Scheduler.reselect` gives
   blocks back as re-selection drops tokens; preempted, it is exact again
