@@ -290,6 +290,8 @@ class LLMEngine:
             kv_compressed=self.num_compressed,
             kv_compressed_tokens=self.compressed_tokens,
             kv_retained_tokens=self.retained_tokens,
+            kv_reselections=self.num_reselections,
+            kv_reselect_freed_blocks=self.reselect_blocks_freed,
             **self._encoder_cache_stats(),
             **self._disk_stats(),
         )
