@@ -16,20 +16,25 @@ write: the licences in /usr/share/common-licenses (distinct files, by content).
     forced token's logprob under the raw distribution). Exact mode is scored the same
     way, and cross-checked against ``prompt_logprobs`` of prompt + continuation in
     one exact request (the same numbers up to bfloat16 batch effects). Swept over
-    ``--retentions`` (the deepest layer's share; the window fixed).
+    ``--retentions`` (the deepest layer's share; the window fixed), with decode-time
+    re-selection (every ``--window`` decoded tokens; the default 256 forced tokens
+    re-select 8 times) and, at ``--throughput-retention``, without it.
 (c) Throughput at a small pool: a second engine whose pool holds about four exact
     requests (2k prompt + output); 16 streams at once, each a shared 1,920-token
     document prefix plus its own 128-token tail (a RAG-like batch: prefix reuse works
     for both modes), ``--tokens`` greedy output tokens each (``ignore_eos``); exact
-    batch then compressed batch, each under its own cache salt (both prefill the
-    prefix once). Output tokens/s over each batch's wall time. Then (part "d") the
-    same with 16 distinct 2,048-token prompts (nothing shared; prefill dominates).
+    batch then the compressed batches (``--modes``: ``pyramid``, and
+    ``pyramid+progressive``, compressed chunk by chunk while prefilling), each under
+    its own cache salt (each prefills the prefix once). Output tokens/s over each
+    batch's wall time. Then (part "d", the issue's workload) the same with 16 distinct
+    2,048-token prompts (nothing shared). Also recorded: requests running per step
+    (mean, max) and re-selections.
 
 Targets (issue 22): (a) <= 0.5x exact at 2k with (b) perplexity <= 1.10x exact;
 (c) >= 1.8x output tokens/s. Prints a table, writes benchmarks/results/kv_compression.json.
 
 Usage: .venv/bin/python benchmarks/kv_compression.py [--retentions 0.3 0.2 0.1] [--docs 3]
-       [--continuation 64] [--tokens 64] [--sizes 2048] [--computed-sizes 2048 4096 8000] [--skip a b c]
+       [--continuation 256] [--tokens 256] [--sizes 2048] [--computed-sizes 2048 4096 8000] [--skip a b c]
 Example: .venv/bin/python benchmarks/kv_compression.py --retentions 0.5 0.3 0.2 0.1 --docs 6
 """
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -136,7 +142,7 @@ def nll(outputs: list[Any]) -> list[float]:
 
 
 def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], pools: list[int],
-               n: int, window: int, num_docs: int) -> dict[str, Any]:
+               n: int, window: int, num_docs: int, no_reselect: float) -> dict[str, Any]:
     chosen = dict(list((name, ids) for name, ids in docs.items() if len(ids) >= CONTEXT + n)[:num_docs])
     prompts = {name: ids[:CONTEXT] for name, ids in chosen.items()}
     targets = {name: ids[CONTEXT : CONTEXT + n] for name, ids in chosen.items()}
@@ -148,8 +154,8 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
         entries = stream.result(timeout=3600)[0].prompt_logprobs
         by_prompt[name] = [-e.logprob for e in entries[CONTEXT:]]
 
-    def forced(mode: str) -> dict[str, list[float]]:
-        runs = {name: submit(engine, prompts[name], mode, "b", max_tokens=n, logprobs=0,
+    def forced(mode: str, salt: str = "b") -> dict[str, list[float]]:
+        runs = {name: submit(engine, prompts[name], mode, salt, max_tokens=n, logprobs=0,
                              constraint=ForcedTokens(targets[name])) for name in chosen}
         return {name: nll(s.result(timeout=3600)) for name, s in runs.items()}
 
@@ -160,13 +166,23 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     rows = [{"setting": "exact (prompt_logprobs)", "min_retention": 1.0, "ppl": ppl(by_prompt)}]
     exact = forced("none")
     rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
-    for r in retentions:
-        for pool in pools:
-            schedule = PyramidSchedule(r, window, pool=pool)
-            engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
-            kept = sum(schedule.keep_counts(CONTEXT, engine.layout.num_layers)) / (CONTEXT * engine.layout.num_layers)
-            rows.append({"setting": f"pyramid min {r:g} pool {pool}", "min_retention": r, "pool": pool,
-                         "kept_share": kept, "ppl": ppl(forced("pyramid"))})
+    layers = engine.layout.num_layers
+    settings = [(r, pool, True, False) for r in retentions for pool in pools]
+    settings += [(no_reselect, 1, False, False), (no_reselect, 1, True, True)]
+    for r, pool, again, progressive in settings:
+        schedule = PyramidSchedule(r, window, pool=pool, reselect=again, progressive=progressive)
+        engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
+        before = engine.num_reselections
+        kept = sum(schedule.keep_counts(CONTEXT, layers)) / (CONTEXT * layers)
+        held = sum(schedule.held_counts(CONTEXT, CONTEXT + n, layers)) / ((CONTEXT + n) * layers)
+        rows.append({"setting": f"pyramid min {r:g} pool {pool}" + ("" if again else " no re-selection")
+                     + (" progressive" if progressive else ""),
+                     "min_retention": r, "pool": pool, "reselect": again, "progressive": progressive,
+                     "kept_share": kept,
+                     "held_share_at_end_bound": held,
+                     # a progressive prefill must not hit the exact prefix the other settings cached
+                     "ppl": ppl(forced("pyramid", f"b-{r}-progressive" if progressive else "b")),
+                     "reselections": engine.num_reselections - before})
     base = rows[1]["ppl"]
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / base
@@ -175,7 +191,7 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
 
 
 def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window: int,
-               threads: int | None, bytes_per_block: int, distinct: bool) -> dict[str, Any]:
+               threads: int | None, bytes_per_block: int, distinct: bool, modes: list[str]) -> dict[str, Any]:
     bs = 16
     per_request = -(-(CONTEXT + tokens) // bs)
     names = list(docs)
@@ -191,31 +207,61 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
                                            kv_min_retention=retention, kv_window=window))
     out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
                            "streams": STREAMS, "output_tokens_each": tokens}
+    running: list[int] = []
+    steps: list[tuple[float, bool]] = []  # (when a step was scheduled, whether it prefills)
+    schedule = engine.scheduler.schedule
+
+    def counting() -> Any:
+        work = schedule()
+        if work.scheduled:
+            running.append(len(engine.scheduler.running))
+            steps.append((time.perf_counter(), any(x.num_new_tokens > 1 for x in work.scheduled)))
+        return work
+
+    engine.scheduler.schedule = counting  # type: ignore[method-assign]
     try:
-        for mode in ("none", "pyramid"):
+        for mode in modes:
+            pyramid = PyramidSchedule(retention, window, progressive=mode == "pyramid+progressive")
+            engine.call(lambda p=pyramid: setattr(engine, "pyramid", p))
             before = engine.stats().num_preemptions
+            compressed_before = engine.stats().kv_compressed
+            reselections = engine.num_reselections
+            running.clear()
+            steps.clear()
             start = time.perf_counter()
-            streams = [submit(engine, p, mode, f"c-{mode}", max_tokens=tokens, ignore_eos=True) for p in prompts]
+            streams = [submit(engine, p, mode.split("+")[0], f"c-{mode}", max_tokens=tokens, ignore_eos=True)
+                       for p in prompts]
             total = sum(len(t) for s in streams for t in (o.new_token_ids for o in s.result(timeout=7200)))
             wall = time.perf_counter() - start
             stats = engine.stats()
             out[mode] = {"wall_s": wall, "output_tokens": total, "tokens_per_s": total / wall,
-                         "preemptions": stats.num_preemptions - before, "compressed": stats.kv_compressed,
+                         "preemptions": stats.num_preemptions - before,
+                         "compressed": stats.kv_compressed - compressed_before,
+                         "reselections": engine.num_reselections - reselections,
+                         "running_mean": sum(running) / len(running), "running_max": max(running),
+                         # time between consecutive schedule calls, by whether the step prefilled
+                         "prefill_steps_s": sum(b[0] - a[0] for a, b in itertools.pairwise(steps) if a[1]),
+                         "decode_steps_s": sum(b[0] - a[0] for a, b in itertools.pairwise(steps) if not a[1]),
+                         "decode_steps": sum(1 for _, prefill in steps if not prefill),
                          "load_avg_after": os.getloadavg()}
-            print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s", flush=True)
+            print(f"  (c) {mode:>8}: {total} tokens in {wall:.1f} s = {total / wall:.2f} tok/s, running "
+                  f"{out[mode]['running_mean']:.1f} on average (max {out[mode]['running_max']}); steps with "
+                  f"prefill {out[mode]['prefill_steps_s']:.0f} s, decode-only {out[mode]['decode_steps_s']:.0f} s "
+                  f"({out[mode]['decode_steps']} steps)", flush=True)
         kv = engine.kv_cache_manager
         engine.call(kv.check_integrity)
         out["all_blocks_free"] = kv.num_free_blocks == kv.num_blocks
     finally:
         engine.shutdown()
-    out["ratio"] = out["pyramid"]["tokens_per_s"] / out["none"]["tokens_per_s"]
+    for mode in modes:
+        out[mode]["ratio"] = out[mode]["tokens_per_s"] / out["none"]["tokens_per_s"]
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--retentions", type=float, nargs="+", default=[0.3, 0.2, 0.1])
-    parser.add_argument("--pools", type=int, nargs="+", default=[1, 7],
+    parser.add_argument("--pools", type=int, nargs="+", default=[1],
                         help="score pooling widths swept in (b) (PyramidSchedule.pool)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048],
                         help="prompt sizes whose compressed blocks are measured (a request each)")
@@ -223,11 +269,14 @@ def main() -> int:
                         help="prompt sizes whose blocks are computed from the schedule (the counts per "
                         "layer do not depend on which tokens are picked)")
     parser.add_argument("--docs", type=int, default=3, help="documents scored in (b)")
-    parser.add_argument("--continuation", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--continuation", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--throughput-retention", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--modes", nargs="+", default=["none", "pyramid", "pyramid+progressive"],
+                        choices=["none", "pyramid", "pyramid+progressive"],
+                        help="modes compared in (c)/(d); none first (the ratios are against it)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d"],
                         help="parts to skip (d: part (c) with 16 distinct prompts)")
     args = parser.parse_args()
@@ -244,15 +293,16 @@ def main() -> int:
             result["kv_held"] = kv_held(engine, docs, args.sizes, args.computed_sizes)
         if "b" not in args.skip:
             result["perplexity"] = perplexity(engine, docs, args.retentions, args.pools, args.continuation,
-                                              args.window, args.docs)
+                                              args.window, args.docs, args.throughput_retention)
     finally:
         engine.shutdown()
     if "c" not in args.skip:
         result["throughput"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
-                                          args.threads, bytes_per_block, distinct=False)
+                                          args.threads, bytes_per_block, distinct=False, modes=args.modes)
     if "d" not in args.skip:
         result["throughput_distinct"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
-                                                   args.threads, bytes_per_block, distinct=True)
+                                                   args.threads, bytes_per_block, distinct=True,
+                                                   modes=args.modes)
     result["load_avg_after"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
@@ -266,10 +316,11 @@ def main() -> int:
         t = result.get(key)
         if not t:
             continue
-        for mode in ("none", "pyramid"):
+        for mode in args.modes:
             print(f"| c | {mode}, {t['streams']} streams ({t['prompts']}), pool {t['pool_blocks']} blocks | "
                   f"{t[mode]['tokens_per_s']:.2f} tok/s ({t[mode]['wall_s']:.0f} s, {t[mode]['compressed']} "
-                  f"compressed, {t[mode]['preemptions']} preempted) | "
+                  f"compressed, {t[mode]['preemptions']} preempted, running {t[mode]['running_mean']:.1f} "
+                  f"(max {t[mode]['running_max']})) | "
                   f"{t[mode]['tokens_per_s'] / t['none']['tokens_per_s']:.2f}x |")
     print(f"wrote {RESULTS}")
     return 0

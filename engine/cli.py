@@ -113,7 +113,11 @@ def add_parser(subparsers: Any) -> None:
                         "keeps all (default: 0.2)")
     parser.add_argument("--kv-window", type=_positive_int, default=32, metavar="TOKENS",
                         help="pyramid: most recent tokens every layer keeps, whose attention picks the "
-                        "rest (default: 32)")
+                        "rest; also how often decoding selects again (default: 32)")
+    parser.add_argument("--kv-progressive", action="store_true",
+                        help="pyramid: compress a long prompt as soon as its first chunk reaches 128 tokens "
+                        "and compute the rest over the kept KV, chunk by chunk, selecting again after each "
+                        "(fewer exact blocks held while prefilling; approximate prefill)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
@@ -183,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
             weights=args.weights, kv_compression=args.kv_compression,
             kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
+            kv_progressive=args.kv_progressive,
         )
         _check_model(args.model)
         events_config = None

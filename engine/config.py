@@ -35,7 +35,9 @@ class EngineConfig:
     the dense checkpoint: faster decoding, other numbers than ``"dense"``.
     ``kv_compression="pyramid"`` (opt-in; a request may choose either way) keeps a
     share of each layer's KV after prefill, falling with depth to
-    ``kv_min_retention``, plus the last ``kv_window`` tokens (:mod:`engine.model.pyramid`).
+    ``kv_min_retention``, plus the last ``kv_window`` tokens (:mod:`engine.model.pyramid`),
+    and selects again every ``kv_window`` decoded tokens; ``kv_progressive`` compresses
+    a long prompt after its first chunk and computes the rest over the kept KV.
     """
 
     model: str | None = None
@@ -56,6 +58,7 @@ class EngineConfig:
     kv_compression: str = "none"
     kv_min_retention: float = 0.2
     kv_window: int = 32
+    kv_progressive: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

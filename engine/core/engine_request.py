@@ -86,6 +86,10 @@ class EngineRequest:
         self.packed: PackedKV | None = None
         """Its packed K/V once compressed (:mod:`engine.model.packed_kv`), else None."""
         self.packed_reservation: int | None = None
+        self.stays_exact = False
+        """Its compression was refused (no room for the packed blocks): exact from then on."""
+        self.reserved = 0
+        """Blocks the scheduler reserved for it while running (:meth:`Scheduler.reservation`)."""
         self.capture_tail = 0
         """Tokens its last prefill chunk computes at least (a compressed request's window:
         the scheduler shortens the chunk before it and its prefix-cache hit to leave them)."""

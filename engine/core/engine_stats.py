@@ -53,3 +53,7 @@ class EngineStats:
     """Tokens those requests had when compressed (summed over compressions)."""
     kv_retained_tokens: float = 0.0
     """Tokens they kept, averaged over layers (summed over compressions)."""
+    kv_reselections: int = 0
+    """Selections again of compressed requests' KV (while decoding, or after a progressive chunk)."""
+    kv_reselect_freed_blocks: int = 0
+    """Blocks those selections gave back to the pool."""

@@ -55,7 +55,7 @@ from engine.model.kv_shift import KVShifter
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
 from engine.model.llama import language_parts
 from engine.model.packed_kv import PackedKV
-from engine.model.pyramid import AttentionCapture, PyramidSchedule, compact, select
+from engine.model.pyramid import AttentionCapture, PyramidSchedule, gather, reselect, select
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -141,8 +141,11 @@ class LLMEngine:
             self.offload = KVOffload(self.storage, config.kv_offload_dir, config.kv_offload_size_gib,
                                      model_fingerprint(model), event_sink=lambda: pool.event_sink)
             self.scheduler.block_loader = self.offload
-        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window)
+        self.scheduler.num_layers = self.layout.num_layers
+        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window, progressive=config.kv_progressive)
         self.num_compressed = 0
+        self.num_reselections = 0
+        self.reselect_blocks_freed = 0
         self.compressed_tokens = 0
         self.retained_tokens = 0.0
         """Summed over compressions: the tokens requests had, and kept (averaged over layers)."""
@@ -287,6 +290,8 @@ class LLMEngine:
             kv_compressed=self.num_compressed,
             kv_compressed_tokens=self.compressed_tokens,
             kv_retained_tokens=self.retained_tokens,
+            kv_reselections=self.num_reselections,
+            kv_reselect_freed_blocks=self.reselect_blocks_freed,
             **self._encoder_cache_stats(),
             **self._disk_stats(),
         )
@@ -450,31 +455,76 @@ class LLMEngine:
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies
             self._offload(work, inputs)
         for s, capture in zip(work.scheduled, captures, strict=True):
-            if capture is not None and s.request in self.scheduler.running:
-                self._compress(s.request, capture)
+            req, packed = s.request, s.request.packed
+            if req not in self.scheduler.running:
+                continue
+            if capture is not None and packed is None:
+                self._compress(req, capture)
+            elif capture is not None or (packed is not None and self.pyramid.reselect
+                                         and packed.since_selection >= self.pyramid.window):
+                self._reselect(req, capture)
 
     def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
-        """An attention capture for the chunk that ends a compressed request's prefill."""
-        if not req.compress or req.packed is not None or end != req.kv.num_tokens or end - start < 2:
+        """An attention capture for the chunk that ends a compressed request's prefill, or
+        with progressive compression for every prefill chunk from ``min_tokens`` on."""
+        if not req.compress or req.stays_exact or end - start < 2:
             return None
-        return AttentionCapture(self.pyramid.window) if end >= self.pyramid.min_tokens else None
+        if req.packed is not None:  # a chunk over packed pages: selects again
+            return AttentionCapture(self.pyramid.window)
+        last = end == req.kv.num_tokens or self.pyramid.progressive
+        return AttentionCapture(self.pyramid.window) if last and end >= self.pyramid.min_tokens else None
+
+    @property
+    def pyramid(self) -> PyramidSchedule:
+        """The compression schedule (the scheduler reserves by it too)."""
+        schedule = self.scheduler.pyramid
+        assert schedule is not None
+        return schedule
+
+    @pyramid.setter
+    def pyramid(self, schedule: PyramidSchedule) -> None:
+        self.scheduler.pyramid = schedule
 
     def _compress(self, req: EngineRequest, capture: AttentionCapture) -> None:
         """Keep each layer's selected tokens in packed pages and give the exact blocks
-        back (between steps; the request stays exact when the pool cannot hold both)."""
+        back (between steps; the request stays exact when the pool cannot give the
+        packed blocks)."""
         n = req.num_computed_tokens
         keep = select(capture, self.pyramid, n, self.layout.num_layers)
         packed = PackedKV(self.storage, [k.numel() for k in keep])
-        future = req.params.max_tokens - len(req.kv.output_token_ids)
+        data: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def read(old: list[int]) -> None:
+            data.extend(gather(self.storage, old, keep))
+
         try:
-            done = self.scheduler.compress(req, packed, lambda old: compact(self.storage, old, keep, packed), future)
-        except Exception:  # an optimisation: the request goes on exact
+            done = self.scheduler.compress(req, packed, read, lambda _new: packed.load(data))
+        except Exception:  # an optimisation: the request goes on exact (or recomputes, if preempted)
             logger.exception("KV compression of %s failed", req.request_id)
             return
         if done:
             self.num_compressed += 1
             self.compressed_tokens += n
             self.retained_tokens += packed.num_tokens / self.layout.num_layers
+
+    def _reselect(self, req: EngineRequest, capture: AttentionCapture | None = None) -> None:
+        """Select a packed request's tokens again from its recent decode queries'
+        attention (or its last prefill chunk's, ``capture``); the blocks that frees go
+        back to the pool (between steps)."""
+        assert req.packed is not None
+        if capture is not None:
+            layers = self.layout.num_layers
+            scores = torch.zeros((layers, max(c.numel() for c in capture.scores.values())))
+            for layer, values in capture.scores.items():
+                scores[layer, : values.numel()] = values
+            req.packed.scores = scores
+        try:
+            keep = reselect(req.packed, self.pyramid, req.num_computed_tokens)
+            self.reselect_blocks_freed += self.scheduler.reselect(req, keep)
+        except Exception:  # the scheduler preempted it if its pages were touched
+            logger.exception("KV re-selection of %s failed", req.request_id)
+            return
+        self.num_reselections += 1
 
     def _offload(self, work: SchedulerOutput, inputs: list[SequenceInput]) -> None:
         """Hand the blocks this forward filled to the disk tier. Their K/V are in place

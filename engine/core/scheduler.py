@@ -88,9 +88,17 @@ Invariants:
   request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests);
   those remembered for the cost budget had prefill work within ``fair_window_s``;
-* a compressed request (``req.packed``) is exact until its prefill ends; then
-  :meth:`Scheduler.compress` swaps its blocks for packed ones and its reservation
-  for the packed one; preempted, it is exact again (recomputed, then compressed).
+* a compressed request (``req.packed``) is exact until its prefill ends (with
+  progressive packing, until a chunk reaches ``min_tokens``; its later chunks, at
+  most ``PyramidSchedule.chunk`` tokens, grow its packed pages); then
+  :meth:`Scheduler.compress` swaps its blocks for packed ones (never holding both
+  tables) and its reservation for the packed one; :meth:`Scheduler.reselect` gives
+  blocks back as re-selection drops tokens; preempted, it is exact again
+  (recomputed, then compressed). Its reservation is what it can hold at most: the
+  exact blocks of its prefill or its packed blocks as it grows to its horizon
+  (:meth:`~engine.model.pyramid.PyramidSchedule.held_counts`), whichever is more;
+  one that stays exact after all takes an exact reservation then (the sum may
+  exceed the pool for a while: preemption covers it).
 * a step's prefill chunks cost at most what its cost budget leaves after its decodes,
   except a step's first prefill chunk, which gets at least one token.
 """
@@ -103,6 +111,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core.assembly import anchor_of
 from engine.core.engine_request import EngineRequest
@@ -110,6 +120,7 @@ from engine.core.module_assembler import ModuleAssembler
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
 from engine.model.kv_shift import KVCopy
 from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import PyramidSchedule
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
@@ -273,6 +284,9 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.reserved_blocks = 0
+        self.pyramid: PyramidSchedule | None = None
+        """The compression schedule (set by the engine), for compressed requests' reservations."""
+        self.num_layers = 1
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
         self.block_loader: BlockLoader | None = None
@@ -287,22 +301,46 @@ class Scheduler:
         # tenant -> (the cost of the demand it arrived with, when it last had prefill work)
         self._active: dict[str | None, tuple[float, float]] = {}
 
-    def reservation(self, req: EngineRequest) -> int:
+    def reservation(self, req: EngineRequest, hit_tokens: int = 0) -> int:
         """Blocks set aside for a request at admission: its prompt and horizon, and for
         a segmented request the module blocks it may hold until its copies (each
-        module's, whether cached or not); never more than the pool. A compressed one's,
-        once packed: its packed blocks plus one block per ``block_size`` output tokens
-        to come."""
+        module's, whether cached or not); never more than the pool. A compressed one's:
+        the most it holds, exact during its prefill or packed up to its horizon
+        (:meth:`packed_blocks`; its exact part is at most its prefill, or with progressive
+        compression its prefix-cache hit ``hit_tokens`` plus a chunk or two). Fixed from
+        admission to removal (``req.reserved``), except where :meth:`compress` changes it."""
         if req.packed_reservation is not None:
             return req.packed_reservation
         prompt = req.num_prompt_tokens
         tokens = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
+        if self._compresses(req):
+            return min(max(-(-self._exact_tokens(req, hit_tokens) // self.block_size),
+                           self.packed_blocks(req.kv.num_tokens, tokens)), self.num_blocks)
         blocks = -(-tokens // self.block_size)
         if req.segmented is not None and self._assembles(req):
             anchor = len(anchor_of(req.segmented))
             blocks += sum(-(-(anchor + len(s.token_ids)) // self.block_size)
                           for s in req.segmented.segments if s.module is not None)
         return min(blocks, self.num_blocks)
+
+    def _compresses(self, req: EngineRequest) -> bool:
+        """``req`` will be compressed at the end of its prefill (it asks and is long enough)."""
+        return (req.compress and not req.stays_exact and self.pyramid is not None and req.segmented is None
+                and req.kv.num_tokens >= self.pyramid.min_tokens)
+
+    def _exact_tokens(self, req: EngineRequest, hit_tokens: int) -> int:
+        """The most tokens a compressed request holds exactly, before it is packed."""
+        assert self.pyramid is not None
+        if not self.pyramid.progressive:
+            return req.kv.num_tokens
+        return min(req.kv.num_tokens, max(hit_tokens, self.pyramid.min_tokens) + self.max_num_batched_tokens)
+
+    def packed_blocks(self, prefill_tokens: int, total_tokens: int) -> int:
+        """The most blocks a request compressed at ``prefill_tokens`` holds up to
+        ``total_tokens`` (one more for how blocks are added as layers fill)."""
+        assert self.pyramid is not None
+        counts = self.pyramid.held_counts(prefill_tokens, max(prefill_tokens, total_tokens), self.num_layers)
+        return PackedKV.blocks_for(counts, self.block_size) + 1
 
     def add(self, req: EngineRequest) -> None:
         self.waiting.append(req)
@@ -389,9 +427,12 @@ class Scheduler:
         for req in queue:
             if used >= allowance or step.budget <= 0:
                 break
-            n = _last_chunk_guard(req, min(req.num_uncomputed_tokens, allowance - used, step.budget))
+            n = min(req.num_uncomputed_tokens, allowance - used, step.budget)
+            if req.packed is not None and self.pyramid is not None:  # a progressive chunk over packed pages
+                n = min(n, self.pyramid.chunk)
+            n = _last_chunk_guard(req, n)
             if req in self.running:
-                n = min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end))
+                n = _last_chunk_guard(req, min(n, step.most_tokens(req.num_computed_tokens, step.cost - cost_end)))
                 if n <= 0:
                     break
                 if self._run(req, n, step):
@@ -430,6 +471,10 @@ class Scheduler:
             hits, num_cached = hits[:-1], num_cached - self.block_size
         if self._next_block_in_progress(req, num_cached):
             return None
+        if self._compresses(req):  # its exact part depends on its hit
+            need = self.reservation(req, num_cached)
+            if self.reserved_blocks + need > self.num_blocks:
+                return None
         n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most, step.most_tokens(num_cached, cost)),
                               num_cached)
         if n <= 0:
@@ -448,6 +493,7 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         self.running.append(req)
         self.reserved_blocks += need
+        req.reserved = need
         if assembled:
             return self._assemble(req, most, step)
         step.add(ScheduledSequence(req, num_cached, n))
@@ -488,8 +534,8 @@ class Scheduler:
         wanted = req.kv.block_hashes[index] if index < (req.kv.num_tokens - 1) // self.block_size else None
         for other in self.running:
             assembling = other.assembly is not None and other.assembly.active
-            if other.num_uncomputed_tokens <= 1 and not assembling:
-                continue
+            if (other.num_uncomputed_tokens <= 1 and not assembling) or other.packed is not None:
+                continue  # (a packed request's prefill caches nothing)
             pending = other.kv.block_hashes[other.num_computed_tokens // self.block_size :]
             if wanted is not None and wanted in pending:
                 return True
@@ -530,28 +576,54 @@ class Scheduler:
         packed.fill(n)
         return True
 
-    def compress(self, req: EngineRequest, packed: PackedKV, copy: Callable[[list[int]], None],
-                 future_tokens: int) -> bool:
-        """Make a running request compressed between steps: ``packed`` (empty tables with
-        its layers' counts) takes fresh blocks, ``copy(old_block_ids)`` writes its kept
-        K/V into them, its exact blocks go back to the pool and its reservation shrinks
-        to the packed blocks plus ``future_tokens`` worth of blocks. False, changing
-        nothing, when the pool cannot hold both tables at once (it stays exact)."""
+    def compress(self, req: EngineRequest, packed: PackedKV, read: Callable[[list[int]], None],
+                 write: Callable[[list[int]], None]) -> bool:
+        """Make a running request compressed between steps: ``read(old_block_ids)``
+        copies out its kept K/V, its exact blocks go back to the pool, ``packed`` (empty
+        tables with its layers' counts) takes fresh blocks and ``write(new_ids)`` fills
+        them (:meth:`KVCacheManager.repack`); its reservation becomes the packed one.
+        False when the pool cannot give the packed blocks (blocks it shares stay held):
+        it stays exact, with an exact reservation from now on. If ``write`` raises, the
+        request is preempted (recomputed later) before the error goes on."""
         bs = self.block_size
 
-        def fill(old: list[int], new: list[int]) -> None:
+        def fill(new: list[int]) -> None:
             packed.add_blocks(new)
             packed.fill()
-            copy(old)
+            write(new)
 
         n = packed.blocks_for(packed.counts, bs)
-        if self.kv_cache_manager.repack(req.request_id, n, fill) is None:
-            return False
-        self.reserved_blocks -= self.reservation(req)
-        req.packed = packed
-        req.packed_reservation = n + -(-min(future_tokens, self.reserve_horizon) // bs) + 1
-        self.reserved_blocks += req.packed_reservation
-        return True
+        try:
+            done = self.kv_cache_manager.repack(req.request_id, n, read, fill) is not None
+        except BaseException:
+            if req.request_id in self.kv_cache_manager.packed:
+                self._preempt(req)
+            raise
+        req.stays_exact = not done
+        old = req.reserved
+        if done:
+            req.packed = packed
+            prompt = req.num_prompt_tokens
+            total = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
+            req.packed_reservation = self.packed_blocks(req.kv.num_tokens, total)
+        req.reserved = self.reservation(req)
+        self.reserved_blocks += req.reserved - old
+        return done
+
+    def reselect(self, req: EngineRequest, keep: list[torch.Tensor]) -> int:
+        """Between steps: a packed request keeps only the tokens ``keep`` says per layer
+        (:meth:`PackedKV.reselect`), and the blocks its pages no longer need go back to
+        the pool at once. Returns how many. If that fails half way, the request is
+        preempted (recomputed later) before the error goes on."""
+        assert req.packed is not None
+        try:
+            released = req.packed.reselect(keep)
+        except BaseException:  # its pages may be half rewritten: recompute it
+            self._preempt(req)
+            raise
+        if released:
+            self.kv_cache_manager.release_packed(req.request_id, released)
+        return len(released)
 
     def _drop_blocks(self, req: EngineRequest) -> None:
         """Free ``req``'s blocks; a segmented request still assembling first uncaches
@@ -564,8 +636,8 @@ class Scheduler:
     def _preempt(self, req: EngineRequest) -> None:
         self._drop_blocks(req)
         self.running.remove(req)
-        self.reserved_blocks -= self.reservation(req)
-        req.packed, req.packed_reservation = None, None
+        self.reserved_blocks -= req.reserved
+        req.packed, req.packed_reservation, req.stays_exact = None, None, False  # compressed again
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -587,7 +659,7 @@ class Scheduler:
             if req.request_id == request_id:
                 self._drop_blocks(req)
                 self.running.remove(req)
-                self.reserved_blocks -= self.reservation(req)
+                self.reserved_blocks -= req.reserved
                 return req
         self.kv_cache_manager.free(request_id)
         for i, waiting in enumerate(self.waiting):

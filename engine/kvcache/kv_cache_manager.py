@@ -251,31 +251,45 @@ class KVCacheManager:
                                request.all_token_ids[first * bs:end * bs], bs, first, request.cache_salt,
                                request.lora_id, request.mm_items)
 
-    def repack(self, request_id: str, num_blocks: int,
-               copy: Callable[[list[int], list[int]], None]) -> list[int] | None:
-        """Trade a running request's block table for ``num_blocks`` fresh blocks: take
-        them from the pool, ``copy(old_ids, new_ids)`` (it writes the request's packed
-        K/V), then free the old blocks (cached ones stay cached at ref count 0: their
-        contents are exact and untouched). The new blocks are never hashed. Returns the
-        new ids, or None, changing nothing, when too few blocks are free; if ``copy``
-        raises, the new blocks go back and the request keeps its table."""
+    def repack(self, request_id: str, num_blocks: int, read: Callable[[list[int]], None],
+               write: Callable[[list[int]], None]) -> list[int] | None:
+        """Trade a running request's block table for ``num_blocks`` fresh blocks:
+        ``read(old_ids)`` (it copies out the K/V the request keeps), then the old blocks
+        are freed (cached ones stay cached at ref count 0: their contents are exact and
+        untouched), then the new ones are taken from the pool (possibly some of the old
+        ones, evicted: so the request never holds both tables at once) and
+        ``write(new_ids)`` fills them. The new blocks are never hashed. Returns the new
+        ids, or None, changing nothing, when too few blocks would be free (blocks the
+        request shares with others stay held by them); if ``read`` raises, nothing has
+        changed; if ``write`` raises, the request holds the new blocks, packed, with
+        unwritten contents (the caller must drop it)."""
         old = self.req_to_blocks.get(request_id)
         if old is None or request_id in self.packed:
             raise ValueError(f"request {request_id!r} holds no exact block table")
-        if num_blocks > self.block_pool.num_free_blocks:
+        if num_blocks > self.block_pool.num_free_blocks + sum(1 for b in old if b.ref_cnt == 1):
             return None
+        read([b.block_id for b in old])
+        self.block_pool.free_blocks(old[::-1])
         new = self.block_pool.get_new_blocks(num_blocks)
-        new_ids = [b.block_id for b in new]
-        try:
-            copy([b.block_id for b in old], new_ids)
-        except BaseException:
-            self.block_pool.free_blocks(new[::-1])
-            raise
         self.req_to_blocks[request_id] = new
         self.num_cached_blocks[request_id] = 0
         self.packed.add(request_id)
-        self.block_pool.free_blocks(old[::-1])
+        new_ids = [b.block_id for b in new]
+        write(new_ids)
         return new_ids
+
+    def release_packed(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Give blocks of a packed request back to the pool (its pages in them hold
+        nothing any more: :meth:`engine.model.packed_kv.PackedKV.reselect`)."""
+        if request_id not in self.packed:
+            raise ValueError(f"request {request_id!r} is not packed")
+        held = self.req_to_blocks[request_id]
+        ids = set(block_ids)
+        dropped = [b for b in held if b.block_id in ids]
+        if len(dropped) != len(ids):
+            raise ValueError(f"request {request_id!r} does not hold blocks {sorted(ids - {b.block_id for b in held})}")
+        self.req_to_blocks[request_id] = [b for b in held if b.block_id not in ids]
+        self.block_pool.free_blocks(dropped[::-1])
 
     def grow_packed(self, request_id: str, num_blocks: int) -> list[int] | None:
         """``num_blocks`` more fresh blocks for a packed request; None, changing nothing,

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from engine.model.kv_storage import KVStorage
-from engine.model.packed_attention import PackedDecodes
+from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.pyramid import AttentionCapture
 
 ATTN_IMPLEMENTATION = "prefixgate_paged_attention"
@@ -148,6 +148,8 @@ class AttentionBatch:
     packed: PackedDecodes | None = None
     """Compressed requests' decodes (:mod:`engine.model.packed_attention`); their rows'
     ``slots`` are the pad slot."""
+    packed_chunks: Sequence[PackedChunk] = ()
+    """Compressed requests' prefill chunks over their packed pages (pad slots too)."""
 
 
 def _pad_rows(q: torch.Tensor) -> torch.Tensor:
@@ -187,6 +189,8 @@ def paged_attention(
         _attend_sequence(layer, query, batch.storage, seq, scale, out)
     if batch.packed is not None:
         batch.packed.attend(layer, query, key, value, scale, out)
+    for chunk in batch.packed_chunks:
+        chunk.attend(layer, query, key, value, scale, out)
     return out
 
 

@@ -1,4 +1,4 @@
-"""PackedDecodes: decode attention for compressed requests, over their packed layer pages.
+"""PackedDecodes and PackedChunk: attention for compressed requests, over their packed layer pages.
 
 A compressed request (:class:`~engine.model.packed_kv.PackedKV`) keeps, per layer, a
 subset of its tokens' K/V, stored with the RoPE rotation of their original
@@ -6,7 +6,13 @@ positions; its new token is computed at its true position and attends to the
 layer's retained keys plus itself. There is no causal structure left to mask
 inside a layer's retained tokens (all precede the new one), only the padding past
 each request's count. All compressed decodes of a batch are attended together per
-layer: their page tables padded to the longest with the storage's pad page.
+layer: their page tables padded to the longest with the storage's pad page. A prefill
+chunk of a request already packed (progressive compression) is a :class:`PackedChunk`:
+its tokens go after the layer's kept ones, causal among themselves.
+
+Each layer also records, per sequence, the attention its query paid to each packed
+token (summed over heads), handed to :meth:`PackedKV.add_scores` after the forward:
+the decode-time re-selection's evidence (:func:`engine.model.pyramid.reselect`).
 
 Not batch invariant like the exact path (:mod:`engine.model.attention`): compressed
 outputs are approximate by design; exact requests never come here.
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.packed_kv import PackedKV
+from engine.model.pyramid import AttentionCapture
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class PackedDecodes:
             hidden = torch.arange(pages * bs)[None, :] > counts[:, layer, None]
             self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :], where[:, layer],
                                             slot[:, layer]))
+        self.scores = torch.zeros((lay.num_layers, len(self.packed), max(pages_used) * bs))
+        """Per layer and sequence, the attention paid to each packed token (float32)."""
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
         """Write these rows' new K/V into their packed slots of ``layer``, then attend
@@ -81,10 +91,59 @@ class PackedDecodes:
         scores = torch.matmul(q, keys.transpose(-1, -2))  # [kv_heads, n, groups, length]
         scores.masked_fill_(t.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        self.scores[layer, :, :length] = probs.float().sum(dim=(0, 2))
         chunk = torch.matmul(probs, values)  # [kv_heads, n, groups, head_dim]
         out[self.rows] = chunk.transpose(0, 1).reshape(n, heads * head_dim)
 
     def advance(self) -> None:
-        """After the forward: every layer of every sequence holds one more token."""
-        for p in self.packed:
+        """After the forward: every layer of every sequence holds one more token, and the
+        attention its query paid is added to its scores."""
+        for i, p in enumerate(self.packed):
             p.counts = [c + 1 for c in p.counts]
+            p.add_scores(self.scores[:, i])
+
+
+class PackedChunk:
+    """A compressed request's prefill chunk (``n`` tokens at batch rows ``row ..``),
+    computed over its packed pages: each layer writes the chunk's K/V after the tokens
+    it keeps, and row ``i`` attends those kept tokens plus the chunk's first ``i + 1``
+    (causal within the chunk). With ``capture``, the chunk's last ``capture.window``
+    queries' attention over the layer's tokens is added to it (the next selection's
+    evidence)."""
+
+    def __init__(self, row: int, n: int, packed: PackedKV, capture: AttentionCapture | None) -> None:
+        """The pages must hold room for the ``n`` tokens in every layer (:meth:`PackedKV.fill`)."""
+        self.row, self.n, self.packed, self.capture = row, n, packed, capture
+        self.counts = list(packed.counts)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:
+        p, n, r = self.packed, self.n, self.row
+        storage = p.storage
+        lay = storage.layout
+        kv_heads, head_dim, bs = lay.kv_heads, lay.head_dim, lay.block_size
+        count = self.counts[layer]
+        p.write(layer, count, key[r : r + n], value[r : r + n])
+        pages = -(-(count + n) // bs)
+        table = p.table[layer, :pages]
+        base = (table // p.stride) * (kv_heads * p.stride) + table % p.stride
+        kv_rows = (torch.arange(kv_heads, dtype=torch.long)[:, None] * p.stride + base[None, :]).reshape(-1)
+        length = pages * bs
+        keys = torch.index_select(storage.all_keys.view(-1, bs, head_dim), 0, kv_rows).view(kv_heads, length, head_dim)
+        values = torch.index_select(storage.all_values.view(-1, bs, head_dim), 0, kv_rows).view(
+            kv_heads, length, head_dim)
+        heads = query.shape[1]
+        groups = heads // kv_heads
+        q = (query[r : r + n] * scale).view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(q, keys[:, None].transpose(-1, -2))  # [kv_heads, groups, n, length]
+        hidden = torch.arange(length)[None, :] > (count + torch.arange(n))[:, None]
+        scores.masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.capture is not None:
+            self.capture.add(layer, probs, 0, n)
+        chunk = torch.matmul(probs, values[:, None])  # [kv_heads, groups, n, head_dim]
+        out[r : r + n] = chunk.permute(2, 0, 1, 3).reshape(n, heads * head_dim)
+
+    def advance(self) -> None:
+        """After the forward: every layer holds the chunk's tokens too."""
+        self.packed.counts = [c + self.n for c in self.packed.counts]

@@ -18,7 +18,10 @@ Invariants:
   when its next token needs it);
 * every page of every held block is in exactly one layer's table or in ``spare``;
 * these pages are never hashed, shared or read by another request (the blocks are
-  fresh from the pool and the KV cache manager never caches them).
+  fresh from the pool and the KV cache manager never caches them);
+* ``scores[l, i]`` is the attention the decode queries since the last selection paid
+  to layer ``l``'s token ``i`` (summed over heads; ``since_selection`` queries), for
+  re-selection (:meth:`reselect`, :func:`engine.model.pyramid.reselect`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.model.kv_storage import KVStorage
 
@@ -47,6 +51,8 @@ class PackedKV:
         self.blocks: list[int] = []
         self.table = torch.full((self.num_layers, 0), storage.pad_block, dtype=torch.long)
         """``pages`` as a tensor ``[layers, capacity]``, padded with the pad block's page."""
+        self.scores = torch.zeros((self.num_layers, 0))
+        self.since_selection = 0
 
     @staticmethod
     def blocks_for(counts: Sequence[int], block_size: int) -> int:
@@ -91,6 +97,49 @@ class PackedKV:
             self.table = grown
         layers, columns, values = zip(*added, strict=True)
         self.table[list(layers), list(columns)] = torch.tensor(values, dtype=torch.long)
+
+    def add_scores(self, scores: torch.Tensor) -> None:
+        """Add one decode query's attention (``[layers, keys]``, float32, per layer over
+        its packed tokens, zeros past each count) to :attr:`scores`."""
+        n = scores.shape[1]
+        if self.scores.shape[1] < n:
+            self.scores = F.pad(self.scores, (0, n - self.scores.shape[1]))
+        self.scores[:, :n] += scores
+        self.since_selection += 1
+
+    def load(self, data: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write every layer's tokens from the start (``data[l]``: keys, values
+        ``[counts[l], kv_heads, head_dim]``; the pages must exist: :meth:`fill`)."""
+        for layer, (keys, values) in enumerate(data):
+            self.write(layer, 0, keys, values)
+
+    def reselect(self, keep: Sequence[torch.Tensor]) -> list[int]:
+        """Keep only layer ``l``'s tokens at packed indices ``keep[l]`` (sorted), repacked
+        from the first page of the first block on; returns the blocks no page needs any
+        more, dropped from :attr:`blocks` (the caller gives them back to the pool).
+        Resets the scores."""
+        data = [self.read(layer, idx) for layer, idx in enumerate(keep)]
+        self.counts = [int(idx.numel()) for idx in keep]
+        need = self.blocks_for(self.counts, self.block_size)
+        kept, released = self.blocks[:need], self.blocks[need:]
+        self.blocks, self.spare = [], []
+        self.pages = [[] for _ in self.counts]
+        self.table.fill_(self.storage.pad_block)
+        self.add_blocks(kept)
+        self.fill()
+        self.load(data)
+        self.scores = torch.zeros((self.num_layers, 0))
+        self.since_selection = 0
+        return released
+
+    def read(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer``'s keys and values at packed ``indices``
+        (``[n, kv_heads, head_dim]`` each)."""
+        lay = self.storage.layout
+        where, slot = self.slots(layer, 0, self.counts[layer])
+        where, slot = where[indices], slot[indices]
+        shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
+        return self.storage.all_keys.view(shape)[where, :, slot], self.storage.all_values.view(shape)[where, :, slot]
 
     def slots(self, layer: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer ``layer``'s tokens ``first .. first + n - 1`` live: (storage layer

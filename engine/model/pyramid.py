@@ -9,12 +9,23 @@ chunk, every layer adds the attention probabilities of the chunk's last
 ``l`` keeps the ``window`` most recent tokens plus the best-scored others, up to
 ``ceil(retention(l) * tokens)``, with ``retention`` falling from 1.0 at layer 0
 to ``min_retention`` at the last layer along ``(1 - l / (L - 1)) ** 2`` (most
-layers are deep and cheap). :func:`compact` copies the kept K/V (RoPE'd at their
-original positions) into a :class:`~engine.model.packed_kv.PackedKV`.
+layers are deep and cheap). :func:`gather` copies the kept K/V (RoPE'd at their
+original positions) out of the exact blocks, for a :class:`~engine.model.packed_kv.PackedKV`.
 
 When the last chunk has fewer than ``window`` tokens, the scores come from those
 it has (a prompt cut into chunks ends with a short one only when its length is just
 past a multiple of the chunk budget).
+
+Selection again while decoding (``PyramidSchedule.reselect``, on by default): every
+``window`` decoded tokens, the attention those decode queries paid to each packed
+token, per layer (summed over heads, :class:`~engine.model.packed_attention.PackedDecodes`),
+picks again: layer ``l`` keeps its ``window`` most recent tokens plus the best-scored
+others up to ``ceil(retention(l) * length)`` of the sequence's current length
+(:func:`reselect`). With ``progressive``, the prefill is compressed as soon as a chunk
+reaches ``min_tokens`` and every later chunk (at most ``chunk`` tokens) is computed over
+the packed pages and selects again from its own last ``window`` queries, so the exact
+blocks of a long prompt are never all held. So a layer holds at most ``keep(length) + window`` tokens
+(:meth:`PyramidSchedule.held_counts`), and the request's reservation follows that.
 """
 
 from __future__ import annotations
@@ -44,6 +55,12 @@ class PyramidSchedule:
     min_tokens: int = DEFAULT_MIN_TOKENS
     pool: int = 1
     """Odd width of the moving average applied to the scores before picking (1: none)."""
+    reselect: bool = True
+    """Select again every ``window`` decoded tokens (else decode tokens are all kept)."""
+    progressive: bool = False
+    """Compress after the first prefill chunk that reaches ``min_tokens``; later chunks
+    are computed over the packed pages (at most ``chunk`` tokens each) and select again."""
+    chunk: int = 128
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_retention, int | float) or not 0 < self.min_retention <= 1:
@@ -52,6 +69,8 @@ class PyramidSchedule:
             raise ValueError(f"window must be an int >= 1, got {self.window!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
             raise ValueError(f"min_tokens must be an int >= 1, got {self.min_tokens!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1, got {self.chunk!r}")
 
     def retention(self, layer: int, num_layers: int) -> float:
         depth = layer / (num_layers - 1) if num_layers > 1 else 0.0
@@ -61,6 +80,19 @@ class PyramidSchedule:
         """Tokens each layer keeps of ``num_tokens``."""
         return [min(num_tokens, max(self.window, math.ceil(self.retention(layer, num_layers) * num_tokens)))
                 for layer in range(num_layers)]
+
+
+    def held_counts(self, prefill_tokens: int, total_tokens: int, num_layers: int) -> list[int]:
+        """The most tokens each layer of a request whose prefill ends at ``prefill_tokens``
+        holds while it grows to ``total_tokens``: with re-selection, what the last
+        selection kept plus the ``window`` decoded since (or a progressive chunk);
+        without, the prefill's selection plus every decoded token (or a chunk)."""
+        chunk = max(self.window, self.chunk) if self.progressive else 0  # while prefilling
+        at_prefill = self.keep_counts(prefill_tokens, num_layers)
+        if self.reselect:
+            return [min(total_tokens, max(p + chunk, keep + self.window))
+                    for p, keep in zip(at_prefill, self.keep_counts(total_tokens, num_layers), strict=True)]
+        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, chunk)) for keep in at_prefill]
 
 
 @dataclass
@@ -107,14 +139,39 @@ def select(capture: AttentionCapture, schedule: PyramidSchedule, num_tokens: int
     return keep
 
 
-def compact(storage: KVStorage, block_ids: Sequence[int], keep: Sequence[torch.Tensor], packed: PackedKV) -> None:
-    """Copy each layer's kept tokens from the exact block table ``block_ids`` into
-    ``packed`` (its pages for them filled: :meth:`PackedKV.fill`)."""
+def reselect(packed: PackedKV, schedule: PyramidSchedule, num_tokens: int) -> list[torch.Tensor]:
+    """Per layer, the sorted packed indices (of ``0 .. packed.counts[l] - 1``) it keeps
+    once the sequence has ``num_tokens`` tokens: all when the layer holds no more than
+    ``keep_counts(num_tokens)``, else its ``window`` most recent plus the most attended
+    by the decode queries since the last selection (``packed.scores``)."""
+    keep: list[torch.Tensor] = []
+    targets = schedule.keep_counts(num_tokens, packed.num_layers)
+    for layer, (held, target) in enumerate(zip(packed.counts, targets, strict=True)):
+        if held <= target:
+            keep.append(torch.arange(held))
+            continue
+        scores = torch.zeros(held)
+        have = packed.scores[layer, :held]
+        scores[: have.numel()] = have
+        if schedule.pool > 1:
+            scores = F.avg_pool1d(scores[None, None], schedule.pool, stride=1, padding=schedule.pool // 2,
+                                  count_include_pad=False)[0, 0, :held]
+        scores[max(0, held - schedule.window):] = float("inf")
+        keep.append(torch.sort(torch.topk(scores, target).indices).values)
+    return keep
+
+
+def gather(storage: KVStorage, block_ids: Sequence[int], keep: Sequence[torch.Tensor],
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, copies of the K/V (``[n, kv_heads, head_dim]``) of its kept token
+    positions ``keep[l]`` from the exact block table ``block_ids``."""
     lay = storage.layout
     bs = lay.block_size
     table = torch.as_tensor(list(block_ids), dtype=torch.long)
+    out = []
     for layer, positions in enumerate(keep):
         slots = table[positions // bs] * bs + positions % bs
         keys = storage.keys[layer].view(lay.kv_heads, -1, lay.head_dim).index_select(1, slots)
         values = storage.values[layer].view(lay.kv_heads, -1, lay.head_dim).index_select(1, slots)
-        packed.write(layer, 0, keys.transpose(0, 1), values.transpose(0, 1))
+        out.append((keys.transpose(0, 1), values.transpose(0, 1)))
+    return out

@@ -42,7 +42,7 @@ from engine.model.attention import (
     padded_length,
 )
 from engine.model.kv_storage import KVStorage
-from engine.model.packed_attention import PackedDecodes
+from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
 from engine.model.pyramid import AttentionCapture
 from engine.model.q4_weights import Q4Matrix
@@ -70,8 +70,9 @@ class SequenceInput:
     prompt_rows: int = 0
     capture: AttentionCapture | None = None
     packed: PackedKV | None = None
-    """A compressed request's decode (one token; ``block_ids`` unused): attends its packed
-    pages (:mod:`engine.model.packed_attention`), which have room for the token."""
+    """A compressed request's tokens (``block_ids`` unused): they attend its packed pages
+    (:mod:`engine.model.packed_attention`), which have room for them; one token is a
+    decode, more a prefill chunk (``capture`` applies to it)."""
 
 
 class ModelRunner:
@@ -113,6 +114,7 @@ class ModelRunner:
         embed_values: list[torch.Tensor] = []
         packed_rows: list[int] = []
         packed: list[PackedKV] = []
+        packed_chunks: list[PackedChunk] = []
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
@@ -124,13 +126,14 @@ class ModelRunner:
             ids.extend(seq.token_ids)
             positions.extend(range(seq.start, end))
             if seq.packed is not None:
-                if n != 1 or seq.embeds:
-                    raise ValueError("a compressed request computes one token per step")
-                slots.append(storage.pad_slot)
-                packed_rows.append(row)
-                packed.append(seq.packed)
+                slots.extend([storage.pad_slot] * n)
+                if n == 1:
+                    packed_rows.append(row)
+                    packed.append(seq.packed)
+                else:
+                    packed_chunks.append(PackedChunk(row, n, seq.packed, seq.capture))
                 if seq.sample:
-                    logit_rows.append(row)
+                    logit_rows.append(row + n - 1)
                 continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
             used = -(-end // bs)
@@ -157,7 +160,7 @@ class ModelRunner:
             logit_rows = [0] * multiple
         prompt_at = self._add_prompt_rows(sequences, logit_rows)
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups,
-                               PackedDecodes(packed_rows, packed) if packed else None)
+                               PackedDecodes(packed_rows, packed) if packed else None, packed_chunks)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)
@@ -178,6 +181,8 @@ class ModelRunner:
             self.prompt_logits = [None if at is None else logits[at[0] : at[1]] for at in prompt_at]
             if batch.packed is not None:
                 batch.packed.advance()
+            for chunk in packed_chunks:
+                chunk.advance()
             return logits[:num_logits].float()
 
     @staticmethod

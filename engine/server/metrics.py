@@ -23,6 +23,8 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_kv_retained_tokens``: summary, per KV compression (count) the
   tokens kept averaged over layers (sum), and ``..._kv_compressed_tokens_total``: the
   tokens those requests had (retained share = sum / compressed tokens);
+  ``..._kv_reselections_total`` / ``..._kv_reselect_freed_blocks_total``: selections
+  again while they decode (every ``--kv-window`` tokens) and the blocks given back;
 * ``prefixgate_engine_encoder_cache_hits_total`` / ``..._misses_total``: image
   feature lookups in the encoder cache (a miss runs the vision tower), and
   ``..._entries`` / ``..._bytes``: what it holds (vision-language models only).
@@ -112,6 +114,10 @@ class _EngineCollector(Collector):
         yield retained
         yield _counter("kv_compressed_tokens", "Tokens compressed requests had when compressed.",
                        getattr(stats, "kv_compressed_tokens", 0), labels)
+        yield _counter("kv_reselections", "Selections again of compressed requests' KV as they grow.",
+                       getattr(stats, "kv_reselections", 0), labels)
+        yield _counter("kv_reselect_freed_blocks", "KV blocks those selections gave back to the pool.",
+                       getattr(stats, "kv_reselect_freed_blocks", 0), labels)
         yield from self._vllm_named(stats)
 
     def _disk(self, stats: Any, labels: list[str]) -> Iterator[Metric]:

@@ -213,3 +213,152 @@ def test_selection_keeps_the_window_and_the_most_attended_tokens():
     assert {2, 3, 4, 16, 17, 18} <= set(pooled)  # neighbours of the most attended come along
     with pytest.raises(ValueError, match="min_retention"):
         PyramidSchedule(min_retention=0.0)
+
+
+def test_decode_reselection_bounds_each_layer_and_gives_blocks_back(make_engine):
+    engine = make_engine(started=False, kv_min_retention=0.25, kv_window=16)
+    kv, sched = engine.kv_cache_manager, engine.scheduler
+    n, new = 400, 120
+    req = engine._validate(GenerationRequest("r1", prompt_of(n), SamplingParams(max_tokens=new, temperature=0.0,
+                                                                                ignore_eos=True)))
+    req.stream = OutputStream("r1", lambda _rid: None)
+    sched.add(req)
+    freed_at, held = [], []
+    while sched.has_work():
+        before = len(kv.get_block_ids("r1"))
+        engine.step()
+        kv.check_integrity()
+        assert sched.reserved_blocks <= sched.num_blocks
+        packed = req.packed
+        if packed is None or req not in sched.running:
+            continue
+        length = req.num_computed_tokens
+        targets = engine.pyramid.keep_counts(length, 6)
+        assert packed.counts[0] == length  # layer 0 keeps everything
+        assert all(c <= t + 16 for c, t in zip(packed.counts, targets, strict=True))
+        if packed.since_selection == 0 and length > n:  # re-selected after this step
+            assert packed.counts == targets
+            blocks = len(kv.get_block_ids("r1"))
+            if blocks < before:
+                freed_at.append(length)
+        held.append(len(kv.get_block_ids("r1")))
+        assert held[-1] <= req.reserved
+    assert engine.num_reselections >= new // 16 - 1
+    assert freed_at  # blocks went back to the pool while decoding
+    without = engine.pyramid.keep_counts(n, 6)  # what the prefill's selection plus every decode token needs
+    assert max(held) < -(-sum(-(-(c + new) // BS) for c in without) // 6)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_reselection_with_full_retention_decodes_like_exact(make_engine):
+    engine = make_engine(kv_min_retention=1.0, kv_window=8)
+    prompt = prompt_of(300, offset=6)
+    exact = run(engine, prompt, mode="none", max_tokens=40, logprobs=0, salt="a")
+    packed = run(engine, prompt, mode="pyramid", max_tokens=40, logprobs=0, salt="b")
+    assert engine.num_compressed == 1 and engine.num_reselections >= 4  # every page repacked 4 times
+    assert tokens_of(packed) == tokens_of(exact)
+    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
+    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_reselection_keeps_the_recent_window_and_the_most_attended():
+    from types import SimpleNamespace
+
+    from engine.model.pyramid import PyramidSchedule, reselect
+
+    schedule = PyramidSchedule(min_retention=0.25, window=4)
+    counts = [50, 30, 20]  # what the layers hold at a sequence length of 50
+    scores = torch.zeros((3, 64))
+    scores[2, [1, 7, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    keep = reselect(SimpleNamespace(counts=counts, scores=scores, num_layers=3), schedule, 50)
+    targets = schedule.keep_counts(50, 3)  # [50, 22, 13]
+    assert [k.numel() for k in keep] == [50, min(30, targets[1]), 13]
+    assert keep[0].tolist() == list(range(50))
+    deepest = keep[2].tolist()
+    assert {1, 7, 9, 16, 17, 18, 19} <= set(deepest) and deepest == sorted(deepest)
+    assert PyramidSchedule(0.25, 4).held_counts(40, 50, 3) == [50, 26, 17]
+    assert PyramidSchedule(0.25, 4, reselect=False).held_counts(40, 50, 3) == [50, 28, 20]
+    assert PyramidSchedule(0.25, 4, progressive=True, chunk=8).held_counts(40, 50, 3) == [50, 26, 18]
+
+
+def test_compressed_requests_are_admitted_by_what_they_hold(make_engine):
+    """A pool that fits two exact requests runs more compressed ones at once; every step
+    stays within the pool's reservations and nothing leaks."""
+    n, new = 480, 48
+    exact_blocks = -(-(n + new) // BS)
+    engine = make_engine(started=False, kv_min_retention=0.2, kv_window=16, max_num_batched_tokens=512)
+    per_block = engine.layout.bytes_per_block
+    engine = make_engine(started=False, kv_min_retention=0.2, kv_window=16, max_num_batched_tokens=512,
+                         kv_cache_memory_gib=(2 * exact_blocks + 2) * per_block / 2**30)
+    sched = engine.scheduler
+    assert sched.num_blocks // exact_blocks == 2
+    reqs = [GenerationRequest(f"m{i}", prompt_of(n, offset=40 * i),
+                              SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)) for i in range(6)]
+    most = 0
+    step = sched.schedule
+
+    def watching():
+        nonlocal most
+        work = step()
+        most = max(most, len(sched.running))
+        assert sched.reserved_blocks <= sched.num_blocks
+        return work
+
+    sched.schedule = watching
+    drive(engine, reqs)
+    assert engine.num_compressed == 6 and sched.num_preemptions == 0
+    assert most >= 3  # exact mode: 2
+
+
+def progressive(engine, **overrides):
+    from engine.model.pyramid import PyramidSchedule
+
+    settings = {"min_retention": engine.pyramid.min_retention, "window": engine.pyramid.window,
+                "progressive": True, "chunk": 48}
+    settings.update(overrides)
+    engine.pyramid = PyramidSchedule(**settings)
+    return engine
+
+
+def test_progressive_prefill_with_full_retention_decodes_like_exact(make_engine):
+    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64), min_tokens=64)
+    prompt = prompt_of(300, offset=9)
+    exact = run(engine, prompt, mode="none", max_tokens=24, logprobs=0, salt="a")
+    packed = run(engine, prompt, mode="pyramid", max_tokens=24, logprobs=0, salt="b")
+    assert engine.num_compressed == 1 and engine.num_reselections >= 5  # chunks of 48 after the first
+    assert tokens_of(packed) == tokens_of(exact)
+    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
+    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def test_progressive_prefill_never_holds_the_whole_prompt_exactly(make_engine):
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=16,
+                                     max_num_batched_tokens=128))
+    kv, sched = engine.kv_cache_manager, engine.scheduler
+    n = 700
+    req = engine._validate(GenerationRequest("g1", prompt_of(n, offset=3), SamplingParams(max_tokens=40,
+                                                                                          temperature=0.0)))
+    req.stream = OutputStream("g1", lambda _rid: None)
+    sched.add(req)
+    most, chunks = 0, []
+    schedule = sched.schedule
+
+    def recording():
+        work = schedule()
+        chunks.extend(s.num_new_tokens for s in work.scheduled if s.request is req and req.packed is not None)
+        return work
+
+    sched.schedule = recording
+    while sched.has_work():
+        engine.step()
+        kv.check_integrity()
+        assert sched.reserved_blocks <= sched.num_blocks
+        if req in sched.running:
+            most = max(most, len(kv.get_block_ids("g1")))
+            assert most <= req.reserved
+    assert engine.num_compressed == 1 and max(chunks) <= 48
+    assert most < 0.6 * -(-n // BS)
+    assert req.reserved < -(-n // BS)  # admitted by what it holds, not by its prompt
+    assert kv.num_free_blocks == kv.num_blocks

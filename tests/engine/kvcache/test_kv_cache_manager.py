@@ -392,3 +392,33 @@ def test_uncache_unwritten_blocks_after_a_failed_forward():
     assert h.hit_tokens(Request("b", toks(0, 13))) == 0
     h.m.uncache_unwritten_blocks("gone", 0)  # unknown request: nothing to do
     h.m.check_integrity()
+
+
+def test_repack_reads_before_freeing_never_holds_both_tables_and_keeps_shared_blocks():
+    h = Harness(6, 4)
+    a = Request("a", toks(0, 9))  # 3 blocks
+    h.schedule(a)
+    b = Request("b", [*toks(0, 8), 50, 51])  # shares a's 2 full blocks, 1 of its own
+    h.schedule(b)
+    assert h.m.num_free_blocks == 2
+    # b holds 3 blocks, 2 of them shared: only 1 comes back, so 4 fresh ones do not fit
+    assert h.m.repack("b", 4, lambda old: pytest.fail("read"), lambda new: pytest.fail("write")) is None
+    h.m.check_integrity()
+    seen = []
+    new = h.m.repack("a", 3, lambda old: seen.append(("read", old, h.m.num_free_blocks)),
+                     lambda new: seen.append(("write", new)))
+    h.m.check_integrity()
+    assert seen[0] == ("read", [0, 1, 2], 2) and seen[1] == ("write", new)
+    assert "a" in h.m.packed and all(h.m.block_pool.blocks[i].block_hash is None for i in new)
+    assert h.m.block_pool.blocks[0].ref_cnt == 1  # still b's, still cached
+    assert h.hit_tokens(Request("c", [*toks(0, 8), 7])) == 8
+    h.m.release_packed("a", new[1:])
+    h.m.check_integrity()
+    assert h.ids(a) == new[:1]
+    with pytest.raises(ValueError, match="does not hold"):
+        h.m.release_packed("a", new[1:])
+    with pytest.raises(ValueError, match="not packed"):
+        h.m.release_packed("b", h.ids(b))
+    h.free(a)
+    h.free(b)
+    assert h.m.num_free_blocks == 6 and not h.m.packed

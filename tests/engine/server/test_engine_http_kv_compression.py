@@ -39,6 +39,12 @@ def test_requests_choose_and_metrics_count(live):
                                           max_tokens=4, extra_body={"kv_compression": "pyramid"})
     assert chat.usage.completion_tokens >= 1
     assert metric(live, "prefixgate_engine_kv_retained_tokens_count") == 2
+    assert metric(live, "prefixgate_engine_kv_reselections_total") == 0  # fewer than 32 tokens decoded
+    long = client.completions.create(model=model, prompt=PROMPT, max_tokens=70, temperature=0,
+                                     extra_body={"cache_salt": "s3", "ignore_eos": True})
+    assert long.usage.completion_tokens == 70
+    assert metric(live, "prefixgate_engine_kv_reselections_total") == 2  # after 32 and 64 decoded tokens
+    assert metric(live, "prefixgate_engine_kv_reselect_freed_blocks_total") >= 0
     assert metric(live, "vllm:kv_cache_usage_perc") == 0.0
 
 
