@@ -21,8 +21,8 @@ its KV assembled instead of computed in full:
    (ref 0, LRU-evictable like any block).
 3. **Runs**: the uncached segments, the recovery tokens and the last prompt token
    are computed as runs of the request (several sequences of one request in one
-   forward, in position order; each attends to everything before it), chunked under
-   the budget; the last run samples.
+   forward, in position order, attended as one slice: each token attends to every
+   position up to its own), chunked under the budget; the last run samples.
 
 The request's own blocks are allocated for its whole prompt at admission. The full
 blocks before its first module (the chat head, computed exactly) are on the exact
@@ -33,9 +33,17 @@ them, nor they an exact request's.
 
 Recovery (:class:`~engine.promptcache.segments.Recovery`): ``none`` recomputes only
 the uncached segments; ``epic`` also the first ``first_tokens`` tokens of every
-reused module (and its last ``last_tokens``); ``cacheblend`` (simplified, see
-:func:`~engine.core.assembly.cacheblend_positions`) the ``fraction`` of the modules'
-tokens whose KV is expected to deviate most.
+reused module (and its last ``last_tokens``); ``cacheblend`` the ``fraction`` of the
+module tokens whose K/V deviate most from what this prompt gives them. Those are
+found by a *probe* in the step of the copies (``SchedulerOutput.probes``, run by the
+engine after the copies, before the forward): layer 0 over the request's tokens
+from its hit on (a token's layer-0 K/V depend only on the token and its position,
+so those are exact), then layer 1's K/V of the same tokens, exact too, compared
+with the copied ones (:meth:`~engine.model.llama.LlamaForward.probe`). The most
+deviating module tokens join the runs (:meth:`ModuleAssembler.probed`, from the next step on); the
+probe's exact layer-0 K/V stay, and so do its layer-1 K/V
+(:data:`~engine.core.assembly.KEEP_PROBED_KV`). A forward that cannot probe (the
+generic transformers one) ranks by :func:`~engine.core.assembly.missed_context`.
 """
 
 from __future__ import annotations

@@ -201,10 +201,11 @@ def test_preempted_segmented_request_reassembles_to_the_same_tokens(make_tiny_en
     engine.call(engine.kv_cache_manager.check_integrity)
 
 
-@pytest.mark.parametrize("abort_at_step", [1, 3, 6, 9, 11])
-def test_abort_while_assembling_leaves_nothing_findable(make_tiny_engine, abort_at_step):
+@pytest.mark.parametrize("mode", ["none", "cacheblend"])  # cacheblend: step 9 copies and probes
+@pytest.mark.parametrize("abort_at_step", [1, 3, 6, 9, 10, 11])
+def test_abort_while_assembling_leaves_nothing_findable(make_tiny_engine, abort_at_step, mode):
     engine = make_tiny_engine(max_num_batched_tokens=16)  # many steps per prompt
-    sp = segmented([40, 41, 42])
+    sp = segmented([40, 41, 42], mode=mode)
     schedule = engine.scheduler.schedule
     steps = itertools.count(1)
 
