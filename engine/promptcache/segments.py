@@ -57,7 +57,7 @@ class Recovery:
     layer-1 K/V deviate most from what this prompt's context gives them (measured by
     a probe of the first two layers, :mod:`engine.core.module_assembler`)."""
 
-    mode: RecoveryMode = "epic"
+    mode: RecoveryMode = "cacheblend"
     first_tokens: int = 16
     fraction: float = 0.15
     last_tokens: int = 0
