@@ -466,7 +466,8 @@ class LLMEngine:
         req = probe.request
         tokens = req.kv.all_token_ids[probe.start : probe.end]
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
-        deviation = self.runner.probe(tokens, probe.start, block_ids, keep=assembly.KEEP_PROBED_KV)
+        deviation = self.runner.probe(tokens, probe.start, block_ids, keep=assembly.KEEP_PROBED_KV,
+                                      depth=assembly.PROBE_DEPTH)
         self.scheduler.probed(req, None if deviation is None else [(float(k), float(v)) for k, v in deviation.tolist()])
 
     def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:

@@ -193,24 +193,27 @@ class LlamaForward:
 
     @torch.inference_mode()
     def probe(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-              keep: bool) -> torch.Tensor:
-        """The KV deviation of layer 1: runs layer 0 on the batch (writing its K/V, which
-        depend only on token and position), then computes layer 1's keys and values of
-        every row and compares them with those stored at the rows' slots. Returns
-        ``[T, 2]`` float32: per row, the squared L2 distance of its keys and of its
-        values (all KV heads). ``keep``: also write the computed layer-1 K/V into the
-        slots. Changes the KV storage of layers 0 (and 1 with ``keep``) only."""
-        if len(self.layers) < 2:
-            raise ValueError("the KV deviation needs a model of at least two layers")
+              keep: bool, depth: int = 1) -> torch.Tensor:
+        """The KV deviation of layer ``depth``: runs layers ``0 .. depth - 1`` on the
+        batch (writing their K/V: exact when the batch holds every token past the
+        sequence's exact part, since layer 0's K/V depend only on token and position and
+        each layer's then only on exact ones below), then computes layer ``depth``'s
+        keys and values of every row and compares them with those stored at the rows'
+        slots. Returns ``[T, 2]`` float32: per row, the squared L2 distance of its keys
+        and of its values (all KV heads). ``keep``: also write the computed layer-``depth``
+        K/V into the slots. Changes the KV storage of layers ``0 .. depth`` only."""
+        if not 1 <= depth < len(self.layers):
+            raise ValueError(f"probe depth {depth} needs a model of more than {depth} layers")
         hidden = F.embedding(input_ids, self.embed)
         cos, signed_sin = self._angles(hidden, positions)
-        self._layer(0, self.layers[0], hidden, cos, signed_sin, batch)
-        _, k, v = self._qkv(self.layers[1], hidden, cos, signed_sin)
-        old_k, old_v = batch.storage.read(1, batch.slots)
+        for i in range(depth):
+            self._layer(i, self.layers[i], hidden, cos, signed_sin, batch)
+        _, k, v = self._qkv(self.layers[depth], hidden, cos, signed_sin)
+        old_k, old_v = batch.storage.read(depth, batch.slots)
         deviation = torch.stack([(k.float() - old_k.float()).square().sum((1, 2)),
                                  (v.float() - old_v.float()).square().sum((1, 2))], dim=1)
         if keep:
-            batch.storage.write(1, batch.slots, k, v)
+            batch.storage.write(depth, batch.slots, k, v)
         return deviation
 
 

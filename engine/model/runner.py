@@ -219,13 +219,15 @@ class ModelRunner:
                 batch.packed.advance()
             return logits[:num_logits].float()
 
-    def probe(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], keep: bool) -> torch.Tensor | None:
-        """The layer-1 KV deviation of a sequence's tokens ``token_ids`` at positions
-        ``start ..`` whose K/V (reused, approximate) are in ``block_ids``: ``[n, 2]``
-        float32 (:meth:`LlamaForward.probe`, which writes exact layer-0 K/V, and layer 1's
-        with ``keep``); None where this forward cannot probe (the generic forward, a
-        one-layer model), having changed nothing."""
-        if self._llama is None or len(self._llama.layers) < 2:
+    def probe(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], keep: bool,
+              depth: int = 1) -> torch.Tensor | None:
+        """The layer-``depth`` KV deviation of a sequence's tokens ``token_ids`` at
+        positions ``start ..`` whose K/V (reused, approximate) are in ``block_ids``:
+        ``[n, 2]`` float32 (:meth:`LlamaForward.probe`, which writes the K/V of layers
+        ``0 .. depth - 1``, and layer ``depth``'s with ``keep``); None where this forward
+        cannot probe (the generic forward, a model of at most ``depth`` layers), having
+        changed nothing."""
+        if self._llama is None or len(self._llama.layers) <= depth:
             return None
         storage = self.storage
         n, end = len(token_ids), start + len(token_ids)
@@ -240,7 +242,7 @@ class ModelRunner:
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long),
                                [SequenceSlice(0, n, start, storage.rows(table))])
         deviation = self._llama.probe(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                                      batch, keep)
+                                      batch, keep, depth)
         return deviation[:n]
 
     @staticmethod

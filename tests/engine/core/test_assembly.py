@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.assembly import Assembly, assembly_key, blend_candidates, exact_head_tokens, plan_runs
+from engine.core.assembly import (
+    Assembly,
+    assembly_key,
+    blend_candidates,
+    exact_head_tokens,
+    plan_runs,
+)
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
 
