@@ -57,9 +57,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "prompt_modules.json"
 LICENSES = Path("/usr/share/common-licenses")
 DOC_TOKENS = 256
 OUTPUT_TOKENS = 32
-NEAR_TIE = 0.5
-"""A full prefill whose top two first-token logits are at most this far apart (a few
-bfloat16 rounding steps at logits of ~30) is a near-tie: reported with the misses."""
+NEAR_TIE = 0.25
+"""A full prefill whose top two first-token logits are at most this far apart (two
+bfloat16 rounding steps at the bundled model's logits of 16-32) is a near-tie,
+counted with the misses: any approximation of the KV flips many of them."""
 QUESTIONS = [
     "Which of these texts allow redistribution, and under which conditions?",
     "Summarize what the documents say about warranty.",
