@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="recovery modes, optionally with their parameter: epic:32, epic:16/8 (first/last "
                              "tokens of each module), cacheblend:0.3")
     parser.add_argument("--first-tokens", type=int, default=16, help="epic: tokens recomputed per module")
-    parser.add_argument("--fraction", type=float, default=0.15, help="cacheblend: fraction recomputed")
+    parser.add_argument("--fraction", type=float, default=0.1, help="cacheblend: fraction recomputed")
     parser.add_argument("--anchor", action="store_true",
                         help="encode modules after the prompt's head (default: at position 0, alone)")
     parser.add_argument("--threads", type=int, default=None)

@@ -59,7 +59,7 @@ class Recovery:
 
     mode: RecoveryMode = "cacheblend"
     first_tokens: int = 16
-    fraction: float = 0.15
+    fraction: float = 0.1
     last_tokens: int = 0
 
     def __post_init__(self) -> None:
