@@ -27,9 +27,12 @@ system prompt."""
 
 def assembly_key(segmented: SegmentedPrompt) -> bytes:
     """What, besides the tokens and the salt, an assembled request's KV depends on:
-    segment lengths and module names, and the recovery."""
+    segment lengths and module names, and the recovery (for ``cacheblend`` with the
+    probe's settings: :data:`PROBE_DEPTH`, :data:`KEEP_PROBED_KV`, :data:`DEVIATION_WEIGHTS`)."""
     r = segmented.recovery
     parts = [f"{r.mode}|{r.first_tokens}|{r.fraction!r}" + (f"|{r.last_tokens}" if r.last_tokens else "")]
+    if r.mode == "cacheblend":  # the probe's settings (blocks from another setting, e.g. on disk, differ)
+        parts[0] += f"|probe{PROBE_DEPTH}|{int(KEEP_PROBED_KV)}|{DEVIATION_WEIGHTS!r}"
     parts += [f"{len(s.token_ids)}:{s.module or ''}" for s in segmented.segments]
     return hashlib.sha256("\x00".join(parts).encode("utf-8")).digest()
 
