@@ -42,13 +42,14 @@ from typing import Any, TypeVar
 import torch
 
 from engine.config import KV_COMPRESSIONS, EngineConfig
+from engine.core import assembly
 from engine.core.detokenizer import eos_token_ids
 from engine.core.engine_request import EngineRequest
 from engine.core.engine_stats import EngineStats
 from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput, TokenLogprobs
 from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ModuleProbe, Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_shift import KVShifter
@@ -415,6 +416,12 @@ class LLMEngine:
         if work.copies:  # module K/V into segmented requests' blocks, before the forward reads them
             assert self.shifter is not None
             self.shifter.apply(work.copies)
+        for probe in work.probes:  # cacheblend: the copied KV's deviation chooses the tokens to recompute
+            try:
+                self._probe(probe)
+            except Exception as exc:  # its request has nothing else in this step
+                logger.exception("probe of %s failed", probe.request.request_id)
+                self._finish(probe.request, "error", error=f"{type(exc).__name__}: {exc}")
         if not work.scheduled and not work.encodes:
             return
         kvm = self.kv_cache_manager
@@ -430,8 +437,9 @@ class LLMEngine:
                     prompt_rows=self._prompt_rows(s.request, s.start, s.end),
                     capture=capture,
                     packed=s.request.packed,
+                    joins=i > 0 and work.scheduled[i - 1].request is s.request,  # a segmented request's runs
                 )
-                for s, capture in zip(work.scheduled, captures, strict=True)
+                for i, (s, capture) in enumerate(zip(work.scheduled, captures, strict=True))
             ]
             modules = [SequenceInput(e.token_ids, e.start, e.block_ids, sample=False) for e in work.encodes]
             logits = self.runner.execute([*inputs, *modules])
@@ -463,6 +471,15 @@ class LLMEngine:
             elif capture is not None or (packed is not None and self.pyramid.reselect
                                          and packed.since_selection >= self.pyramid.window):
                 self._reselect(req, capture)
+
+    def _probe(self, probe: ModuleProbe) -> None:
+        """Run ``probe`` (:meth:`ModelRunner.probe`) and hand its deviations to the scheduler."""
+        req = probe.request
+        tokens = req.kv.all_token_ids[probe.start : probe.end]
+        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        deviation = self.runner.probe(tokens, probe.start, block_ids, keep=assembly.KEEP_PROBED_KV,
+                                      depth=assembly.PROBE_DEPTH)
+        self.scheduler.probed(req, None if deviation is None else [(float(k), float(v)) for k, v in deviation.tolist()])
 
     def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
         """An attention capture for the chunk that ends a compressed request's prefill, or

@@ -21,8 +21,8 @@ its KV assembled instead of computed in full:
    (ref 0, LRU-evictable like any block).
 3. **Runs**: the uncached segments, the recovery tokens and the last prompt token
    are computed as runs of the request (several sequences of one request in one
-   forward, in position order; each attends to everything before it), chunked under
-   the budget; the last run samples.
+   forward, in position order, attended as one slice: each token attends to every
+   position up to its own), chunked under the budget; the last run samples.
 
 The request's own blocks are allocated for its whole prompt at admission. The full
 blocks before its first module (the chat head, computed exactly) are on the exact
@@ -33,14 +33,22 @@ them, nor they an exact request's.
 
 Recovery (:class:`~engine.promptcache.segments.Recovery`): ``none`` recomputes only
 the uncached segments; ``epic`` also the first ``first_tokens`` tokens of every
-reused module (and its last ``last_tokens``); ``cacheblend`` (simplified, see
-:func:`~engine.core.assembly.cacheblend_positions`) the ``fraction`` of the modules'
-tokens whose KV is expected to deviate most.
+reused module (and its last ``last_tokens``); ``cacheblend`` the ``fraction`` of the
+module tokens whose K/V deviate most from what this prompt gives them. Those are
+found by a *probe* in the step of the copies (``SchedulerOutput.probes``, run by the
+engine after the copies, before the forward): layer 0 over the request's tokens
+from its hit on (a token's layer-0 K/V depend only on the token and its position,
+so those are exact), then layer 1's K/V of the same tokens, exact too, compared
+with the copied ones (:meth:`~engine.model.llama.LlamaForward.probe`). The most
+deviating module tokens join the runs (:meth:`ModuleAssembler.probed`, from the next step on); the
+probe's exact layer-0 K/V stay, and so do its layer-1 K/V
+(:data:`~engine.core.assembly.KEEP_PROBED_KV`). A forward that cannot probe (the
+generic transformers one) ranks by :func:`~engine.core.assembly.missed_context`.
 """
 
 from __future__ import annotations
 
-from engine.core.assembly import Assembly, ModuleUse, anchor_of, plan_runs
+from engine.core.assembly import Assembly, ModuleUse, anchor_of, blend_candidates, plan_runs
 from engine.core.engine_request import EngineRequest
 from engine.kvcache.block_hash import BlockHash
 from engine.kvcache.kv_cache_block import KVCacheBlock
@@ -115,18 +123,24 @@ class ModuleAssembler:
             k = len(use.hashes) - len(use.blocks)
             use.blocks.extend(new[:k])
             new = new[k:]
-        runs = plan_runs(segmented, num_cached, req.kv.num_tokens, len(anchor))
+        runs = plan_runs(segmented, num_cached, req.kv.num_tokens)
+        candidates, starts, budget = blend_candidates(segmented, num_cached, runs)
         computed = {p for s, e in runs for p in range(s, e)}
         reused = sum(1 for u in uses if u.encoded == len(u.tokens)
                      for p in range(max(u.offset, num_cached), u.offset + u.length) if p not in computed)
-        req.assembly = Assembly(uses, runs, num_cached, reused)
+        if budget and reused:  # the selection recomputes ``budget`` of the module tokens
+            reused -= budget * reused // len(candidates)
+        req.assembly = Assembly(uses, runs, num_cached, reused, candidates=candidates, module_starts=starts,
+                                budget=budget)
         return True
 
     def schedule(self, req: EngineRequest, allowance: int) -> tuple[list[tuple[list[int], int, list[int]]],
-                                                                     list[KVCopy], list[tuple[int, int]]]:
+                                                                     list[KVCopy], list[tuple[int, int]], bool]:
         """Up to ``allowance`` tokens of ``req``'s assembly this step: encode chunks
-        ``(token_ids, start, block_ids)``, copies, and runs ``(start, n)``, in that order.
-        Copies come only in a step after the last encode chunk's forward."""
+        ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order,
+        and whether the request is to be probed after the copies (``cacheblend``: then
+        no runs this step; :meth:`probed` adds the selection to the runs). Copies come
+        only in a step after the last encode chunk's forward."""
         asm = req.assembly
         assert asm is not None
         encodes: list[tuple[list[int], int, list[int]]] = []
@@ -141,8 +155,10 @@ class ModuleAssembler:
             used += n
             self.module_tokens_encoded += n
         if pending:
-            return encodes, [], []
+            return encodes, [], [], False
         copies = [] if asm.copied else self._copies(req, asm)
+        if asm.budget > 0:
+            return encodes, copies, [], True
         runs: list[tuple[int, int]] = []
         while asm.runs and used < allowance:
             start, end = asm.runs[0]
@@ -152,7 +168,14 @@ class ModuleAssembler:
             asm.runs[0] = (start + n, end)
             if start + n == end:
                 asm.runs.pop(0)
-        return encodes, copies, runs
+        return encodes, copies, runs, False
+
+    def probed(self, req: EngineRequest, deviation: list[tuple[float, float]] | None) -> None:
+        """``req``'s probe is done: recompute the tokens its selection picks
+        (:meth:`Assembly.select`). Changes no block."""
+        asm = req.assembly
+        assert asm is not None and asm.copied and asm.budget > 0
+        asm.select(deviation, len(anchor_of(req.segmented)) if req.segmented is not None else 0)
 
     def _copies(self, req: EngineRequest, asm: Assembly) -> list[KVCopy]:
         """The copies of every module into ``req``'s blocks; caches freshly encoded

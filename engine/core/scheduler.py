@@ -182,16 +182,28 @@ class ModuleEncode:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class ModuleProbe:
+    """After this step's copies, measure the layer-1 KV deviation of ``request``'s
+    positions ``[start, end)`` (``cacheblend``); the result goes to
+    :meth:`Scheduler.probed`, which chooses the tokens the request recomputes."""
+
+    request: EngineRequest
+    start: int
+    end: int
+
+
 @dataclass
 class SchedulerOutput:
     """One step's work, in batch order, and the requests preempted to make room.
     ``copies`` (module K/V moved into segmented requests' blocks) are done before the
-    forward, in order; ``encodes`` (module K/V computed) are part of the forward."""
+    forward, in order, then ``probes``; ``encodes`` (module K/V computed) are part of the forward."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
     encodes: list[ModuleEncode] = field(default_factory=list)
     copies: list[KVCopy] = field(default_factory=list)
+    probes: list[ModuleProbe] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -507,8 +519,11 @@ class Scheduler:
     def _assemble(self, req: EngineRequest, most: int, step: _Step) -> int:
         """Schedule up to ``most`` tokens of a segmented request's assembly
         (:mod:`engine.core.module_assembler`); the tokens scheduled."""
-        encodes, copies, runs = self.modules.schedule(req, min(most, step.budget))
+        encodes, copies, runs, probe = self.modules.schedule(req, min(most, step.budget))
         step.out.copies.extend(copies)
+        if probe:
+            assert req.assembly is not None
+            step.out.probes.append(ModuleProbe(req, *req.assembly.probe_span))
         if copies:
             step.requests.add(req)  # its blocks are written this step: never preempted in it
         used = 0
@@ -644,6 +659,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---------------------------------------------------------- after a step
+    def probed(self, req: EngineRequest, deviation: list[tuple[float, float]] | None) -> None:
+        """A probe of this step is done: ``req``'s recovery tokens are chosen from
+        ``deviation`` (None: none measured), its runs scheduled from the next step."""
+        self.modules.probed(req, deviation)
+
     def forget_unwritten(self, out: SchedulerOutput) -> None:
         """After a failed forward: no block the step was computing stays findable."""
         for s in out.scheduled:

@@ -71,9 +71,10 @@ class SequenceSlice:
     """One sequence's rows in a flattened batch.
 
     Rows ``row .. row + num_tokens - 1`` hold its tokens at positions ``start ..
-    start + num_tokens - 1``; ``kv_rows`` is :meth:`KVStorage.rows` of a block table
-    covering at least ``padded_length(start + num_tokens)`` positions (padded with the
-    storage's pad block).
+    start + num_tokens - 1`` (or, with ``positions``, at those increasing positions,
+    ``positions[0] == start``: runs of one request attended as one slice);
+    ``kv_rows`` is :meth:`KVStorage.rows` of a block table covering at least
+    ``padded_length(last position + 1)`` positions (padded with the storage's pad block).
     """
 
     row: int
@@ -83,6 +84,7 @@ class SequenceSlice:
     masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     """Per query chunk start, the keys its rows must not see (filled by the first
     layer, reused by the others: the mask is by position, the same in every layer)."""
+    positions: torch.Tensor | None = field(default=None, compare=False, repr=False)
     capture: AttentionCapture | None = field(default=None, compare=False, repr=False)
     """When set, each layer adds the attention of this slice's last ``capture.window``
     tokens over its keys to it (:mod:`engine.model.pyramid`); outputs are unchanged."""
@@ -91,7 +93,8 @@ class SequenceSlice:
         """``[rows, seen - first_hidden]``: key ``first_hidden + j`` is after row ``i``'s position."""
         mask = self.masks.get(cs)
         if mask is None:
-            positions = torch.arange(self.start + cs, self.start + cs + rows)
+            positions = (torch.arange(self.start + cs, self.start + cs + rows) if self.positions is None
+                         else self.positions[cs : cs + rows])
             mask = torch.arange(first_hidden, seen)[None, :] > positions[:, None]
             self.masks[cs] = mask
         return mask
@@ -233,7 +236,10 @@ def _attend_sequence(
     for cs in range(0, seq.num_tokens, Q_CHUNK):
         ce = min(seq.num_tokens, cs + Q_CHUNK)
         rows = ce - cs
-        first_pos, last_pos = seq.start + cs, seq.start + ce - 1
+        if seq.positions is None:
+            first_pos, last_pos = seq.start + cs, seq.start + ce - 1
+        else:
+            first_pos, last_pos = int(seq.positions[cs]), int(seq.positions[ce - 1])
         seen = min(padded_length(last_pos + 1), keys_t.shape[-1])
         q = q_all[cs:ce].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         q = _pad_rows(q.reshape(kv_heads, group * rows, head_dim))

@@ -121,6 +121,14 @@ class KVStorage:
         self.keys[layer].view(h, -1, d).index_copy_(1, slots, keys.transpose(0, 1))
         self.values[layer].view(h, -1, d).index_copy_(1, slots, values.transpose(0, 1))
 
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys/values stored in ``slots``, each ``[n, kv_heads, head_dim]`` (a copy;
+        :meth:`write`'s inverse). Changes nothing."""
+        h, d = self.layout.kv_heads, self.layout.head_dim
+        keys = self.keys[layer].view(h, -1, d).index_select(1, slots).transpose(0, 1)
+        values = self.values[layer].view(h, -1, d).index_select(1, slots).transpose(0, 1)
+        return keys, values
+
     def copy_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks' keys and values, ``[n, layers, 2, kv_heads, block_size,
         head_dim]``, contiguous: block ``i`` is ``out[i]``, the disk tier's payload layout

@@ -158,26 +158,63 @@ class LlamaForward:
         if embeds is not None:
             embed_rows, values = embeds
             hidden[embed_rows] = values.to(hidden.dtype)
-        cos, sin = self.rotary(hidden[None], positions[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
-        half = self.head_dim // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        heads, qk_heads = self.num_heads, self.num_heads + self.kv_heads
-        qk_size = qk_heads * self.head_dim
-        rows = hidden.shape[0]
+        cos, signed_sin = self._angles(hidden, positions)
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = layer.qkv(x)
-            # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
-            qk = _rope(qkv[:, :qk_size].view(rows, qk_heads, self.head_dim), cos, signed_sin)
-            v = qkv[:, qk_size:].view(rows, self.kv_heads, self.head_dim)
-            attn = paged_attention(i, qk[:, :heads], qk[:, heads:], v, batch, self.scale)
-            hidden.add_(layer.o(attn))
-            x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
+            self._layer(i, layer, hidden, cos, signed_sin, batch)
         last = _rms_norm(hidden[logit_rows], self.norm, self.eps)
         return self.lm_head(last)
+
+    def _angles(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos`` and signed ``sin`` (see :func:`_rope`), ``[T, 1, head_dim]``."""
+        cos, sin = self.rotary(hidden[None], positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _qkv(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's queries, keys (RoPE applied) and values of ``hidden``'s rows."""
+        qk_heads = self.num_heads + self.kv_heads
+        rows = hidden.shape[0]
+        qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, self.eps))
+        # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
+        qk = _rope(qkv[:, : qk_heads * self.head_dim].view(rows, qk_heads, self.head_dim), cos, signed_sin)
+        v = qkv[:, qk_heads * self.head_dim :].view(rows, self.kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+    def _layer(self, i: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               batch: AttentionBatch) -> None:
+        """Layer ``i`` on ``hidden``, in place; writes the layer's K/V into the batch's slots."""
+        q, k, v = self._qkv(layer, hidden, cos, signed_sin)
+        hidden.add_(layer.o(paged_attention(i, q, k, v, batch, self.scale)))
+        x = _rms_norm(hidden, layer.post_norm, self.eps)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
+
+    @torch.inference_mode()
+    def probe(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+              keep: bool, depth: int = 1) -> torch.Tensor:
+        """The KV deviation of layer ``depth``: runs layers ``0 .. depth - 1`` on the
+        batch (writing their K/V: exact when the batch holds every token past the
+        sequence's exact part, since layer 0's K/V depend only on token and position and
+        each layer's then only on exact ones below), then computes layer ``depth``'s
+        keys and values of every row and compares them with those stored at the rows'
+        slots. Returns ``[T, 2]`` float32: per row, the squared L2 distance of its keys
+        and of its values (all KV heads). ``keep``: also write the computed layer-``depth``
+        K/V into the slots. Changes the KV storage of layers ``0 .. depth`` only."""
+        if not 1 <= depth < len(self.layers):
+            raise ValueError(f"probe depth {depth} needs a model of more than {depth} layers")
+        hidden = F.embedding(input_ids, self.embed)
+        cos, signed_sin = self._angles(hidden, positions)
+        for i in range(depth):
+            self._layer(i, self.layers[i], hidden, cos, signed_sin, batch)
+        _, k, v = self._qkv(self.layers[depth], hidden, cos, signed_sin)
+        old_k, old_v = batch.storage.read(depth, batch.slots)
+        deviation = torch.stack([(k.float() - old_k.float()).square().sum((1, 2)),
+                                 (v.float() - old_v.float()).square().sum((1, 2))], dim=1)
+        if keep:
+            batch.storage.write(depth, batch.slots, k, v)
+        return deviation
 
 
 def _fuse_linears(linears: list[Any]) -> torch.Tensor:

@@ -73,6 +73,22 @@ class SequenceInput:
     """A compressed request's tokens (``block_ids`` unused): they attend its packed pages
     (:mod:`engine.model.packed_attention`), which have room for them; one token is a
     decode, more a prefill chunk (``capture`` applies to it)."""
+    joins: bool = False
+    """Attended as one slice with the previous sequence (the same request and block
+    table, later positions, which did not sample): a segmented request's runs, whose
+    keys are then gathered once per layer, not once per run. Each token still attends
+    to every position up to its own; no embeds, captures or prompt rows."""
+
+
+@dataclass
+class _Joined:
+    """A slice being built from a sequence and the ones that join it (:attr:`SequenceInput.joins`)."""
+
+    row: int
+    positions: list[int]
+    block_ids: Sequence[int]
+    capture: AttentionCapture | None
+    sample: bool
 
 
 class ModelRunner:
@@ -115,11 +131,40 @@ class ModelRunner:
         packed_rows: list[int] = []
         packed: list[PackedKV] = []
         packed_chunks: list[PackedChunk] = []
+        joined: _Joined | None = None  # the slice being built, closed by the next sequence that does not join it
+
+        def close() -> None:
+            if joined is None:
+                return
+            row, n, start, end = joined.row, len(joined.positions), joined.positions[0], joined.positions[-1] + 1
+            used = -(-end // bs)
+            table = [*joined.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
+            if n == 1:
+                decodes.setdefault(len(table), []).append((row, start, table))
+            else:
+                spread = joined.positions[-1] - start + 1 != n
+                slices.append(SequenceSlice(row, n, start, storage.rows(table), capture=joined.capture,
+                                            positions=torch.tensor(joined.positions) if spread else None))
+            if joined.sample:
+                logit_rows.append(row + n - 1)
+
         for seq in sequences:
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
                 raise ValueError("a scheduled sequence must compute at least one token")
             row = len(ids)
+            if seq.joins:
+                if (joined is None or joined.sample or seq.start <= joined.positions[-1] or seq.packed is not None
+                        or seq.embeds or seq.prompt_rows or seq.capture is not None):
+                    raise ValueError("a joining sequence continues a non-sampling sequence at later positions")
+                ids.extend(seq.token_ids)
+                positions.extend(range(seq.start, end))
+                slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
+                joined.positions.extend(range(seq.start, end))
+                joined.sample = seq.sample
+                continue
+            close()
+            joined = None
             for rows_in_seq, values in seq.embeds:
                 embed_rows.append(rows_in_seq + row)
                 embed_values.append(values)
@@ -136,14 +181,8 @@ class ModelRunner:
                     logit_rows.append(row + n - 1)
                 continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
-            used = -(-end // bs)
-            table = [*seq.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
-            if n == 1:
-                decodes.setdefault(len(table), []).append((row, seq.start, table))
-            else:
-                slices.append(SequenceSlice(row, n, seq.start, storage.rows(table), capture=seq.capture))
-            if seq.sample:
-                logit_rows.append(row + n - 1)
+            joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample)
+        close()
         groups = [
             DecodeGroup.build([r for r, _, _ in members], [p for _, p, _ in members],
                               [t for _, _, t in members], storage)
@@ -184,6 +223,32 @@ class ModelRunner:
             for chunk in packed_chunks:
                 chunk.advance()
             return logits[:num_logits].float()
+
+    def probe(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int], keep: bool,
+              depth: int = 1) -> torch.Tensor | None:
+        """The layer-``depth`` KV deviation of a sequence's tokens ``token_ids`` at
+        positions ``start ..`` whose K/V (reused, approximate) are in ``block_ids``:
+        ``[n, 2]`` float32 (:meth:`LlamaForward.probe`, which writes the K/V of layers
+        ``0 .. depth - 1``, and layer ``depth``'s with ``keep``); None where this forward
+        cannot probe (the generic forward, a model of at most ``depth`` layers), having
+        changed nothing."""
+        if self._llama is None or len(self._llama.layers) <= depth:
+            return None
+        storage = self.storage
+        n, end = len(token_ids), start + len(token_ids)
+        if n < 1:
+            raise ValueError("a probe must cover at least one token")
+        used = -(-end // storage.layout.block_size)
+        table = [*block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // storage.layout.block_size) - used)
+        pad = -n % self._llama.row_multiple
+        ids = [*token_ids, *[0] * pad]
+        positions = [*range(start, end), *[0] * pad]
+        slots = [*storage.slot_ids(block_ids, start, end), *[storage.pad_slot] * pad]
+        batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long),
+                               [SequenceSlice(0, n, start, storage.rows(table))])
+        deviation = self._llama.probe(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                                      batch, keep, depth)
+        return deviation[:n]
 
     @staticmethod
     def _add_prompt_rows(sequences: Sequence[SequenceInput], logit_rows: list[int]) -> list[tuple[int, int] | None]:

@@ -53,12 +53,13 @@ class Recovery:
 
     ``none``: nothing (the paper); ``epic``: the first ``first_tokens`` and the last
     ``last_tokens`` tokens (the boundary into the next segment) of every reused
-    module; ``cacheblend``: the ``fraction`` of reused tokens whose KV
-    deviates most from what this prompt's context would give."""
+    module; ``cacheblend`` (the default): the ``fraction`` of module tokens whose
+    layer-1 K/V deviate most from what this prompt's context gives them (measured by
+    a probe of the first two layers, :mod:`engine.core.module_assembler`)."""
 
-    mode: RecoveryMode = "epic"
+    mode: RecoveryMode = "cacheblend"
     first_tokens: int = 16
-    fraction: float = 0.15
+    fraction: float = 0.1
     last_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.assembly import assembly_key, exact_head_tokens, plan_runs
+from engine.core.assembly import (
+    Assembly,
+    assembly_key,
+    blend_candidates,
+    exact_head_tokens,
+    plan_runs,
+)
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
 
@@ -37,3 +43,23 @@ def test_exact_head_is_everything_before_the_first_module():
     assert exact_head_tokens(prompt(Recovery("none"), head=0)) == 0
     plain = SegmentedPrompt((Segment((1, 2)), Segment((3,))))
     assert exact_head_tokens(plain) == 3
+
+
+def test_cacheblend_chooses_among_the_module_tokens_after_the_probe():
+    sp = prompt(Recovery("cacheblend", fraction=0.2))
+    runs = plan_runs(sp, 0, len(sp.token_ids))
+    assert runs == [(0, 4), (24, 27)]  # its recovery tokens are not known before the probe
+    candidates, starts, budget = blend_candidates(sp, 0, runs)
+    assert candidates == list(range(4, 24)) and starts == [4] * 10 + [14] * 10 and budget == 4
+    assert blend_candidates(sp, 16, plan_runs(sp, 16, 27)) == (list(range(16, 24)), [14] * 8, 2)
+    assert blend_candidates(prompt(Recovery("epic")), 0, runs) == ([], [], 0)
+    asm = Assembly([], runs, 0, 20, candidates=candidates, module_starts=starts, budget=budget)
+    assert asm.active and asm.num_pending == 4 + 3 + 4 and asm.probe_span == (0, 24)
+    deviation = [(0.0, 0.0)] * 24
+    for p, d in {7: 5.0, 20: 9.0, 21: 1.0, 9: 3.0, 2: 99.0}.items():  # 2: not a candidate
+        deviation[p] = (d, d)
+    asm.select(deviation, 0)
+    assert asm.runs == [(0, 4), (7, 8), (9, 10), (20, 22), (24, 27)] and asm.budget == 0
+    fallback = Assembly([], list(runs), 0, 20, candidates=candidates, module_starts=starts, budget=budget)
+    fallback.select(None, 0)  # no probe: the tokens that missed most of their context
+    assert fallback.runs == [(0, 5), (14, 17), (24, 27)]

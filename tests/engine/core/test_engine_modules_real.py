@@ -103,3 +103,35 @@ def test_recovery_brings_the_first_distribution_closer_to_full_prefill(real_engi
             p, q = torch.log_softmax(full, -1), torch.log_softmax(got, -1)
             kl[mode].append(float((p.exp() * (p - q)).sum()))
     assert sum(kl["cacheblend"]) < sum(kl["none"]), kl
+
+
+def _benchmark():
+    """benchmarks/prompt_modules.py, for its workload (documents, prompts)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "prompt_modules.py"
+    spec = importlib.util.spec_from_file_location("prompt_modules_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_recovery_agrees_with_full_prefill_where_epic_did_not(real_engine, logits):
+    """Prompts of benchmarks/prompt_modules.py (4 documents, ~1k tokens) whose first token
+    under the previous default (``epic``, 16 tokens) differs from full prefill's: the
+    default (``cacheblend`` 0.1, tokens chosen by their layer-1 KV deviation) gets it right."""
+    bench = _benchmark()
+    tok = real_engine.tokenizer
+    docs = bench.documents(tok, 8)
+    rng = __import__("random").Random(0)
+    orders = [rng.sample(range(8), 4) for _ in range(71)]
+    generate(real_engine, bench.build(tok, docs, list(range(8)), "Warm-up.", Recovery()), True, logits, 1)
+    for i in (1, 70):  # the benchmark's prompts 1 and 70 (full prefill's top-2 logit gaps 0.875, 0.375)
+        sp = bench.build(tok, docs, orders[i], f"{bench.QUESTIONS[i % len(bench.QUESTIONS)]} (#{i})", Recovery())
+        full, _, _ = generate(real_engine, sp, False, logits, 1)
+        epic, _, _ = generate(real_engine, SegmentedPrompt(sp.segments, Recovery("epic", first_tokens=16)), True,
+                              logits, 1)
+        default, _, cached = generate(real_engine, sp, True, logits, 1)
+        assert epic != full and default == full, (i, full, epic, default)
+        assert cached > len(sp.token_ids) // 2  # most module tokens reused

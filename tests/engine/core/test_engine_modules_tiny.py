@@ -201,10 +201,11 @@ def test_preempted_segmented_request_reassembles_to_the_same_tokens(make_tiny_en
     engine.call(engine.kv_cache_manager.check_integrity)
 
 
-@pytest.mark.parametrize("abort_at_step", [1, 3, 6, 9, 11])
-def test_abort_while_assembling_leaves_nothing_findable(make_tiny_engine, abort_at_step):
+@pytest.mark.parametrize("mode", ["none", "cacheblend"])  # cacheblend: step 9 copies and probes
+@pytest.mark.parametrize("abort_at_step", [1, 3, 6, 9, 10, 11])
+def test_abort_while_assembling_leaves_nothing_findable(make_tiny_engine, abort_at_step, mode):
     engine = make_tiny_engine(max_num_batched_tokens=16)  # many steps per prompt
-    sp = segmented([40, 41, 42])
+    sp = segmented([40, 41, 42], mode=mode)
     schedule = engine.scheduler.schedule
     steps = itertools.count(1)
 
@@ -275,3 +276,19 @@ def test_concurrent_segmented_and_exact_requests_under_block_pressure(make_tiny_
         tight.call(tight.kv_cache_manager.check_integrity)
     assert [[t for o in outs for t in o.new_token_ids] for outs in got] == expected
     assert tight.stats().evictions > 0
+
+
+def test_a_failed_probe_fails_its_request_and_leaves_nothing_findable(make_tiny_engine, monkeypatch):
+    engine = make_tiny_engine()
+    sp = segmented([80, 81], mode="cacheblend")
+    expected = run(make_tiny_engine(), sp)[0]
+
+    def broken(*args, **kwargs):  # fault injection: the probe's forward fails
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(engine.runner, "probe", broken)
+    outs = submit(engine, sp).result(timeout=60)
+    assert outs[-1].finish_reason == "error" and "probe exploded" in (outs[-1].error or "")
+    engine.call(engine.kv_cache_manager.check_integrity)
+    monkeypatch.undo()
+    assert run(engine, sp)[0] == expected  # nothing half-written was kept on the assembled chain
