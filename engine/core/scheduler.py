@@ -61,7 +61,9 @@ most ``ANTICIPATE_S``,
 work ends while others have prefill work (:meth:`Scheduler.hold_s` tells the engine
 loop how long to wait unless a request arrives): at most one hold per request of it,
 so the others lose at most ``ANTICIPATE_S`` per such request, and a tenant pausing
-longer (``ANTICIPATE_PAUSES`` times in a row) is not waited for.
+longer (``ANTICIPATE_PAUSES`` times in a row) is not waited for. Only when all the
+prefill work there is belongs to tenants that arrived with demands of a whole budget
+or more: another light or newly arrived tenant's request is never held back.
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -365,7 +367,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work and reserve its slots (see the module docstring); no
         work while anticipating a light tenant's next request (:meth:`hold_s`)."""
-        if self._anticipating():
+        if self._anticipating():  # forget only what finished meanwhile
+            live = set(self.all_requests())
+            self._prefilling_before = {r for r in self._prefilling_before if r in live}
+            working = self._prefill_queues()
+            for tenant in [t for t in self._last_served if t not in working]:
+                del self._last_served[tenant]
             return SchedulerOutput()
         self.num_steps += 1
         step = _Step(self.max_num_batched_tokens, self.context_cost_tokens, self.sequence_cost_tokens)
@@ -419,9 +426,12 @@ class Scheduler:
         for tenant in [t for t in self._gaps if t not in self._active]:
             del self._gaps[tenant]
         budget = self.max_num_batched_tokens
+        heavy = {t for t, (cost, _) in self._active.items() if cost >= budget}
         waits = [left + ANTICIPATE_S for t, left in self._left.items()
-                 if self._active[t][0] < budget and min(self._gaps.get(t, [math.inf])) <= ANTICIPATE_S]
-        self._hold_until = max((w for w in waits if w > now), default=0.0) if present else 0.0
+                 if t not in heavy and min(self._gaps.get(t, [math.inf])) <= ANTICIPATE_S]
+        # only the work of tenants that arrived with a whole budget's demand is held back
+        held = bool(present) and present.keys() <= heavy
+        self._hold_until = max((w for w in waits if w > now), default=0.0) if held else 0.0
         return self._hold_until > 0
 
     def _cost_budget(self, queues: dict[str | None, list[EngineRequest]], costs: dict[str | None, float],

@@ -446,3 +446,8 @@ def test_the_engine_holds_a_forward_for_a_light_tenant_that_comes_back_at_once()
         finish_step(sched, out)
     quiet_round(0.2)  # one long pause of Q's: one of its last ANTICIPATE_PAUSES was short
     assert not sched.schedule().scheduled and sched.hold_s() > 0
+    newcomer = request(6, max_tokens=1, offset=9000, tenant="N")
+    newcomer.arrival_time = clock.now
+    sched.add(newcomer)  # another tenant's short request while held for Q: never held back
+    out = sched.schedule()
+    assert newcomer in [s.request for s in out.scheduled] and sched.hold_s() == 0
