@@ -56,14 +56,15 @@ Anticipation: a light tenant that sends its next request as soon as the previous
 one is answered finds a forward of the others under way, however cheap, and waits
 for it. So while one of such a tenant's last ``ANTICIPATE_PAUSES`` pauses between
 requests (a new request's arrival minus when its previous prefill work ended) was at
-most ``ANTICIPATE_S``,
-:meth:`Scheduler.schedule` plans nothing for up to ``ANTICIPATE_S`` after its prefill
-work ends while others have prefill work (:meth:`Scheduler.hold_s` tells the engine
-loop how long to wait unless a request arrives): at most one hold per request of it,
-so the others lose at most ``ANTICIPATE_S`` per such request, and a tenant pausing
-longer (``ANTICIPATE_PAUSES`` times in a row) is not waited for. Only when all the
-prefill work there is belongs to tenants that arrived with demands of a whole budget
-or more: another light or newly arrived tenant's request is never held back.
+most ``ANTICIPATE_S``, :meth:`Scheduler.schedule` plans nothing for up to
+``ANTICIPATE_S`` after its prefill work ends, while all the prefill work there is
+belongs to tenants that arrived with a whole budget's demand or more and they alone
+run (another light or newly arrived tenant's request, decoding or not, is never held
+back; their decodes wait with the rest).
+:meth:`Scheduler.hold_s` tells the engine loop how long to wait unless a request
+arrives. At most one hold per request of the light tenant, so the others lose at
+most ``ANTICIPATE_S`` per such request; a tenant pausing longer
+(``ANTICIPATE_PAUSES`` times in a row) is not waited for.
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -430,7 +431,7 @@ class Scheduler:
         waits = [left + ANTICIPATE_S for t, left in self._left.items()
                  if t not in heavy and min(self._gaps.get(t, [math.inf])) <= ANTICIPATE_S]
         # only the work of tenants that arrived with a whole budget's demand is held back
-        held = bool(present) and present.keys() <= heavy
+        held = bool(present) and present.keys() <= heavy and {r.tenant for r in self.running} <= heavy
         self._hold_until = max((w for w in waits if w > now), default=0.0) if held else 0.0
         return self._hold_until > 0
 

@@ -451,3 +451,14 @@ def test_the_engine_holds_a_forward_for_a_light_tenant_that_comes_back_at_once()
     sched.add(newcomer)  # another tenant's short request while held for Q: never held back
     out = sched.schedule()
     assert newcomer in [s.request for s in out.scheduled] and sched.hold_s() == 0
+    finish_step(sched, out)
+    sched.finish(newcomer)
+    clock.now += 0.005
+    talk = request(6, max_tokens=3, offset=9100, tenant="Q")  # an answer of 3 tokens
+    talk.arrival_time = clock.now
+    sched.add(talk)
+    out = sched.schedule()
+    assert talk in [s.request for s in out.scheduled]
+    finish_step(sched, out)
+    out = sched.schedule()  # Q's prefill ended, its request decodes: no hold
+    assert talk in [s.request for s in out.scheduled] and sched.hold_s() == 0
