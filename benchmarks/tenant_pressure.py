@@ -2,17 +2,24 @@
 
 Two cases (issue 29, items 2 and 3), each against a real engine process on loopback:
 
-* ``prefill``: a quiet tenant's one-token requests (a ~20-token chat, sequential),
-  TTFT (the whole answer of ``max_tokens: 1``) p50/p99 on an idle engine; then one
-  cold prompt of ``--heavy-tokens`` distinct tokens (8k by default) alone, timed
-  (a lone long prompt's throughput); then the quiet tenant again while a heavy
-  tenant keeps ``--heavy-streams`` prompts in flight, each that prompt's cached
-  first ``heavy_tokens - heavy_new_tokens`` tokens and ``--heavy-new-tokens`` new
-  ones, so the engine keeps computing at 7-8k context (a cold 8k prompt spends
-  most of its time at short context, and minutes on a 2-core VM). With
-  ``--before-root`` the same on another checkout's engine first (before/after in
-  one run); ``--fcfs-requests N`` adds a run without the tenant header. Target:
-  loaded p99 within 2x idle p99.
+* ``prefill``: an engine (behind an API key) and, by default, a ``prefixgate
+  gateway`` in front of it with two tenants, ``quiet`` and ``heavy``, each its own
+  API key (the gateway names them to the engine in ``x-prefixgate-tenant``;
+  ``--via engine`` sends straight to the engine with that header instead). First one
+  cold prompt of ``--heavy-tokens`` distinct tokens (8k by default) alone, timed (a
+  lone long prompt's throughput; it caches the heavy tenant's prefix). Then
+  ``--rounds`` rounds, each an idle window then a loaded window of
+  ``--quiet-per-window`` quiet requests (a one-token chat, sequential, each timed
+  to its whole answer of ``max_tokens: 1``: its TTFT): idle, the engine has no
+  other request; loaded, the heavy tenant keeps ``--heavy-streams`` prompts in
+  flight, each that prompt's cached first ``heavy_tokens - heavy_new_tokens``
+  tokens and ``--heavy-new-tokens`` new ones, so the engine keeps computing at
+  7.7-8k context (a cold 8k prompt spends most of its time at short context). The
+  windows alternate so that both phases see the same background load; a loaded
+  window starts once a heavy prompt is admitted, an idle one once the engine has
+  no request (its metrics). Target (issue 29): the quiet tenant's loaded p99 within
+  2x its idle p99. With ``--before-root`` the same on another checkout (engine and
+  gateway) first: a before/after in one run.
 * ``images``: a tiny random LLaVA (``tests/engine/multimodal/tiny_vlm.py``) served
   with ``--max-image-pixels-in-flight``; ``--image-requests`` requests at once, each
   with 8 distinct 6320x6320 PNGs of zeros (one pixel differs), while a quiet tenant
@@ -20,10 +27,14 @@ Two cases (issue 29, items 2 and 3), each against a real engine process on loopb
   and 3 s after the last answer; the image requests' statuses; the quiet tenant's
   latency p50/p99 meanwhile.
 
-Prints a table and writes benchmarks/results/tenant_pressure.json.
-Usage: python benchmarks/tenant_pressure.py [--only prefill|images] [--quiet-requests 20]
-       [--before-root ../checkout-before --before-quiet-requests 5]
+Prints a table and writes benchmarks/results/tenant_pressure.json. The load average
+is printed with each round: on a shared machine compare within one run, and prefer
+``--threads 1`` (torch's busy-waiting threads slow many times over when other
+processes hold the cores).
+Usage: python benchmarks/tenant_pressure.py [--only prefill|images] [--via gateway|engine]
+       [--rounds 4 --quiet-per-window 25] [--threads 1] [--before-root ../checkout-before]
        [--max-image-pixels 0 --engine-root ../other-checkout]   (the images case on an older engine)
+Example: python benchmarks/tenant_pressure.py --only prefill   (about 2-5 minutes on a quiet 2-core machine)
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import io
 import json
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -43,7 +55,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,25 +68,59 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "multimodal"))
 from servers import free_port, wait_healthy  # noqa: E402
 
+from engine.config import DEFAULT_BLOCK_SIZE  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "tenant_pressure.json"
 TENANT_HEADER = "x-prefixgate-tenant"
 IMAGE_SIDE = 6320
+TENANTS = ("quiet", "heavy")
 
 
 @contextlib.contextmanager
-def engine(*flags: str, log: Path, root: Path = ROOT) -> Iterator[tuple[str, int]]:
-    """``prefixgate engine`` of the checkout ``root`` with ``flags``; yields (base URL, pid)."""
+def engine(*flags: str, log: Path, root: Path = ROOT, key: str | None = None) -> Iterator[tuple[str, int]]:
+    """``prefixgate engine`` of the checkout ``root`` with ``flags`` (behind ``key`` when
+    given); yields (base URL, pid)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PREFIXGATE_ENGINE_API_KEY", None)
+    if key is not None:
+        env["PREFIXGATE_ENGINE_API_KEY"] = key
     argv = [sys.executable, "-m", "gateway.cli", "engine", "--port", str(port), "--log-level", "warning", *flags]
+    with _process(argv, log, root, env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        yield url, proc.pid
+
+
+@contextlib.contextmanager
+def gateway(upstream: str, upstream_key: str, tenant_keys: dict[str, str], data: Path, log: Path,
+            root: Path = ROOT) -> Iterator[str]:
+    """``prefixgate gateway`` of the checkout ``root`` in front of the engine ``upstream``
+    (its key ``upstream_key``), one tenant per entry of ``tenant_keys`` (name -> API key);
+    yields its base URL."""
+    from gateway.policy.api_key import hash_key
+
+    data.mkdir(parents=True, exist_ok=True)
+    config = data / "gateway.toml"
+    config.write_text("".join(f'[tenants.{name}]\nkeys = ["{hash_key(key)}"]\n' for name, key in tenant_keys.items()))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(root), "PREFIXGATE_UPSTREAM_API_KEY": upstream_key}
+    argv = [sys.executable, "-m", "gateway.cli", "gateway", "--upstream", upstream, "--port", str(port),
+            "--config", str(config), "--data-dir", str(data), "--log-level", "warning"]
+    with _process(argv, log, root, env) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        yield url
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path, root: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """A process group logging to ``log``, stopped (SIGTERM, then SIGKILL) on exit."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
-        yield url, proc.pid
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -97,19 +144,20 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p50_ms": statistics.median(ordered) * 1000, "p99_ms": p99 * 1000}
 
 
-async def quiet_requests(url: str, count: int, tenant: str | None, stop: asyncio.Event | None = None,
-                         ) -> list[float]:
-    """Sequential one-token chats; seconds each (only 200s count)."""
-    headers = {TENANT_HEADER: tenant} if tenant else {}
+async def quiet_requests(url: str, count: int, headers: dict[str, str], stop: asyncio.Event | None = None,
+                         model: str | None = None) -> list[float]:
+    """Sequential one-token chats (naming ``model`` when given); seconds each (only 200s count)."""
     out: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
         for i in range(count):
             if stop is not None and stop.is_set():
                 break
-            body = {"max_tokens": 1, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"Quiet question number {i}: say hi"}]}
+            body: dict[str, Any] = {"max_tokens": 1, "temperature": 0,
+                                    "messages": [{"role": "user", "content": f"Quiet question number {i}: say hi"}]}
+            if model is not None:
+                body["model"] = model
             start = time.perf_counter()
-            response = await client.post("/v1/chat/completions", json=body, headers=headers)
+            response = await client.post("/v1/chat/completions", json=body)
             if response.status_code == 200:
                 out.append(time.perf_counter() - start)
     return out
@@ -117,39 +165,88 @@ async def quiet_requests(url: str, count: int, tenant: str | None, stop: asyncio
 
 # --------------------------------------------------------------------------- prefill
 
+@dataclass
+class Target:
+    """Where the tenants send: ``url`` with each tenant's ``headers`` (an API key through
+    the gateway, the tenant header straight to the engine), and the engine itself."""
+
+    url: str
+    headers: dict[str, dict[str, str]]
+    engine_url: str
+    engine_key: str
+    model: str
+
+    def engine_gauge(self, name: str) -> float:
+        text = httpx.get(self.engine_url + "/metrics", headers={"authorization": f"Bearer {self.engine_key}"},
+                         timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"prefixgate_engine_{name}"))
+
+    async def until(self, done: Callable[[], bool], what: str, timeout: float = 600.0) -> None:
+        """Poll the engine's metrics until ``done()``."""
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(done):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine did not reach {what!r} in {timeout:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def idle(self) -> None:
+        await self.until(lambda: self.engine_gauge("requests_running") + self.engine_gauge("requests_waiting") == 0,
+                         "no request")
+
+
+@contextlib.contextmanager
+def prefill_target(args: argparse.Namespace, workdir: Path, root: Path) -> Iterator[Target]:
+    """An engine of ``root`` behind a key; with ``--via gateway`` a gateway of ``root`` in
+    front of it with the tenants ``quiet`` and ``heavy``, each its own API key."""
+    flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", "2",
+             "--max-model-len", str(args.heavy_tokens + 64)]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    key = secrets.token_urlsafe(24)
+    with engine(*flags, log=workdir / f"engine-prefill-{root.name}.log", root=root, key=key) as (engine_url, _):
+        model = httpx.get(engine_url + "/health", timeout=30).json()["model"]
+        if args.via == "engine":
+            yield Target(engine_url, {t: {"authorization": f"Bearer {key}", TENANT_HEADER: t} for t in TENANTS},
+                         engine_url, key, model)
+            return
+        tenant_keys = {t: f"tenant-pressure-{t}-{secrets.token_urlsafe(16)}" for t in TENANTS}
+        with gateway(engine_url, key, tenant_keys, workdir / f"gateway-{root.name}",
+                     workdir / f"gateway-{root.name}.log", root) as url:
+            yield Target(url, {t: {"authorization": f"Bearer {k}"} for t, k in tenant_keys.items()}, engine_url, key, model)
+
+
 def heavy_prompt(tokens: int, k: int) -> list[int]:
     """``tokens`` distinct-looking token ids; a different ``k``, a different prompt."""
     base = 1000 + (k * 7919) % 20000
     return [base + (i * 13) % 20000 for i in range(tokens)]
 
 
-async def cold_prefill(url: str, prompt: list[int]) -> float:
+async def cold_prefill(target: Target, prompt: list[int]) -> float:
     """Seconds for one prompt alone (``max_tokens: 1``): a lone long prompt's throughput."""
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+    async with httpx.AsyncClient(base_url=target.url, timeout=3600, headers=target.headers["heavy"]) as client:
         start = time.perf_counter()
-        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
-                                     headers={TENANT_HEADER: "heavy"})
+        response = await client.post("/v1/completions", json={"model": target.model, "prompt": prompt, "max_tokens": 1})
         response.raise_for_status()
         return time.perf_counter() - start
 
 
-async def heavy_prompts(url: str, prefix: list[int], new_tokens: int, streams: int, tenant: str | None,
-                        stop: asyncio.Event) -> int:
-    """Keep ``streams`` prompts in flight until ``stop``: ``prefix`` (cached by the cold
-    prefill) then ``new_tokens`` distinct ones, so each computes ``new_tokens`` at long
-    context. Returns how many were answered."""
-    headers = {TENANT_HEADER: tenant} if tenant else {}
+async def heavy_prompts(target: Target, prefix: list[int], new_tokens: int, streams: int, stop: asyncio.Event,
+                        first: int) -> int:
+    """Keep ``streams`` prompts in flight until ``stop`` (then cancel those in flight):
+    ``prefix`` (cached by the cold prefill) then ``new_tokens`` distinct ones, so each
+    computes ``new_tokens`` at long context. Returns how many were answered."""
     done = 0
 
     async def one_stream(k: int) -> None:
         nonlocal done
-        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        async with httpx.AsyncClient(base_url=target.url, timeout=3600, headers=target.headers["heavy"]) as client:
             n = 0
             while not stop.is_set():
-                prompt = prefix + heavy_prompt(new_tokens, 1 + k * 1000 + n)  # never a hit past the prefix
+                prompt = prefix + heavy_prompt(new_tokens, first + k * 100_000 + n)  # never a hit past the prefix
                 n += 1
-                response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
-                                             headers=headers)
+                response = await client.post("/v1/completions",
+                                             json={"model": target.model, "prompt": prompt, "max_tokens": 1})
                 done += response.status_code == 200
 
     tasks = [asyncio.create_task(one_stream(k)) for k in range(streams)]
@@ -160,45 +257,53 @@ async def heavy_prompts(url: str, prefix: list[int], new_tokens: int, streams: i
     return done
 
 
-async def loaded(url: str, args: argparse.Namespace, prefix: list[int], count: int, header: bool,
-                 ) -> tuple[list[float], int, float]:
-    stop = asyncio.Event()
-    heavy = asyncio.create_task(heavy_prompts(url, prefix, args.heavy_new_tokens, args.heavy_streams,
-                                              "heavy" if header else None, stop))
-    await asyncio.sleep(args.heavy_head_start)  # the heavy prompts are in the engine first
-    start = time.perf_counter()
-    times = await quiet_requests(url, count, "quiet" if header else None)
-    elapsed = time.perf_counter() - start
-    stop.set()
-    return times, await heavy, elapsed
+async def alternate(target: Target, args: argparse.Namespace, prefix: list[int]) -> dict[str, Any]:
+    """``--rounds`` rounds of an idle window (no other request in the engine) then a
+    loaded one (the heavy tenant's prompts admitted and computing), each window
+    ``--quiet-per-window`` quiet requests: both phases see the same background load."""
+    idle: list[float] = []
+    loaded: list[float] = []
+    answered, loaded_s, heavy_blocks = 0, 0.0, 0.0
+    quiet = target.headers["quiet"]
+    for r in range(args.rounds):
+        await target.idle()
+        idle += await quiet_requests(target.url, args.quiet_per_window, quiet, model=target.model)
+        stop = asyncio.Event()
+        heavy = asyncio.create_task(heavy_prompts(target, prefix, args.heavy_new_tokens, args.heavy_streams, stop,
+                                                  1 + r * 1000))
+        # one heavy prompt admitted (more wait for the quiet tenant's window to pass: the quiet
+        # requests would then start without it active)
+        await target.until(lambda: target.engine_gauge("requests_running") >= 1, "a heavy prompt running")
+        blocks = await asyncio.to_thread(target.engine_gauge, "kv_blocks_used")
+        start = time.perf_counter()
+        loaded += await quiet_requests(target.url, args.quiet_per_window, quiet, model=target.model)
+        loaded_s += time.perf_counter() - start
+        heavy_blocks += await asyncio.to_thread(target.engine_gauge, "kv_blocks_used") - blocks
+        stop.set()
+        answered += await heavy
+        print(f"round {r + 1}/{args.rounds}: idle p50 {statistics.median(idle) * 1000:.0f} ms, loaded p50 "
+              f"{statistics.median(loaded) * 1000:.0f} ms, load {os.getloadavg()[0]:.1f}", flush=True)
+    # the heavy prompts' new tokens computed while loaded, from the KV blocks they came to hold
+    # (the engine's default block size; the quiet tenant holds none between its requests)
+    heavy_tokens = heavy_blocks * DEFAULT_BLOCK_SIZE + answered * args.heavy_new_tokens
+    return {"idle": percentiles(idle), "loaded": percentiles(loaded), "heavy_answered_while_loaded": answered,
+            "loaded_seconds": loaded_s, "heavy_tokens_per_s_while_loaded": heavy_tokens / loaded_s}
 
 
-def case_prefill(args: argparse.Namespace, workdir: Path, root: Path, quiet: int) -> dict[str, Any]:
-    """One engine (the checkout ``root``): the quiet tenant idle, a lone cold prefill of
-    ``--heavy-tokens``, then the quiet tenant while the heavy tenant's prompts (that
-    prompt's first ``heavy_tokens - heavy_new_tokens`` tokens, cached, then new ones)
-    keep the engine computing at long context."""
-    flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", "2",
-             "--max-model-len", str(args.heavy_tokens + 64)]
-    if args.threads:
-        flags += ["--threads", str(args.threads)]
+def case_prefill(args: argparse.Namespace, workdir: Path, root: Path) -> dict[str, Any]:
+    """One engine (the checkout ``root``), through its gateway unless ``--via engine``:
+    warm-up, a lone cold prefill of ``--heavy-tokens`` (timed: a lone long prompt's
+    throughput; it caches the heavy tenant's prefix), then idle and loaded windows
+    alternating (:func:`alternate`)."""
     cold = heavy_prompt(args.heavy_tokens, 0)
-    with engine(*flags, log=workdir / f"engine-prefill-{root.name}.log", root=root) as (url, _):
-        asyncio.run(quiet_requests(url, 3, "quiet"))  # warm-up
-        idle = asyncio.run(quiet_requests(url, quiet, "quiet"))
-        time.sleep(args.pause)  # past the scheduler's window: the quiet tenant no longer counts as active
-        cold_s = asyncio.run(cold_prefill(url, cold))
+    with prefill_target(args, workdir, root) as target:
+        cold_s = asyncio.run(cold_prefill(target, cold))
+        asyncio.run(quiet_requests(target.url, 3, target.headers["quiet"], model=target.model))  # warm-up
         prefix = cold[: args.heavy_tokens - args.heavy_new_tokens]
-        fair, heavy_done, seconds = asyncio.run(loaded(url, args, prefix, quiet, header=True))
-        fcfs, _, _ = (asyncio.run(loaded(url, args, prefix, args.fcfs_requests, header=False))
-                      if args.fcfs_requests else ([], 0, 0.0))
-    result: dict[str, Any] = {"root": str(root), "idle": percentiles(idle), "tenant_header": percentiles(fair),
-                              "cold_prefill_s": cold_s, "heavy_answered_while_loaded": heavy_done,
-                              "loaded_seconds": seconds}
-    result["p99_ratio_tenant_header"] = result["tenant_header"]["p99_ms"] / result["idle"]["p99_ms"]
-    if fcfs:
-        result["shared_key_fcfs"] = percentiles(fcfs)
-        result["p99_ratio_shared_key"] = result["shared_key_fcfs"]["p99_ms"] / result["idle"]["p99_ms"]
+        result = asyncio.run(alternate(target, args, prefix))
+    result.update({"root": str(root), "via": args.via, "cold_prefill_s": cold_s})
+    result["p99_ratio"] = result["loaded"]["p99_ms"] / result["idle"]["p99_ms"]
+    result["p50_ratio"] = result["loaded"]["p50_ms"] / result["idle"]["p50_ms"]
     return result
 
 
@@ -247,7 +352,7 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if args.max_image_pixels:
         flags += ["--max-image-pixels-in-flight", str(args.max_image_pixels)]
     with engine(*flags, log=workdir / "engine-images.log", root=args.engine_root) as (url, pid):
-        asyncio.run(quiet_requests(url, 3, "quiet"))
+        asyncio.run(quiet_requests(url, 3, {TENANT_HEADER: "quiet"}))
         idle_rss = rss_mib(pid)
         peak = [idle_rss]
         done = threading.Event()
@@ -263,7 +368,7 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         async def both() -> tuple[list[int], list[float], float]:
             stop = asyncio.Event()
-            quiet = asyncio.create_task(quiet_requests(url, 100_000, "quiet", stop))
+            quiet = asyncio.create_task(quiet_requests(url, 100_000, {TENANT_HEADER: "quiet"}, stop))
             start = time.perf_counter()
             statuses = await image_requests(url, urls, args.image_requests, per_request)
             elapsed = time.perf_counter() - start
@@ -285,21 +390,18 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("prefill", "images"), default=None)
-    parser.add_argument("--quiet-requests", type=int, default=20)
-    parser.add_argument("--fcfs-requests", type=int, default=0,
-                        help="quiet requests in a shared-key (FCFS) run, slow; 0 (default) skips it")
+    parser.add_argument("--via", choices=("gateway", "engine"), default="gateway",
+                        help="prefill case: the tenants send through a gateway (default; each its own API key) "
+                        "or straight to the engine (the tenant header)")
+    parser.add_argument("--rounds", type=int, default=4, help="prefill case: idle/loaded window pairs")
+    parser.add_argument("--quiet-per-window", type=int, default=25,
+                        help="prefill case: quiet requests per window (p99 over rounds x this per phase)")
     parser.add_argument("--heavy-tokens", type=int, default=8000)
-    parser.add_argument("--heavy-new-tokens", type=int, default=1000,
+    parser.add_argument("--heavy-new-tokens", type=int, default=256,
                         help="tokens of each loaded heavy prompt past its cached prefix (computed at long context)")
-    parser.add_argument("--pause", type=float, default=11.0,
-                        help="seconds between the idle quiet requests and the cold prefill (the scheduler's "
-                        "fairness window is 10 s)")
     parser.add_argument("--before-root", type=Path, default=None,
-                        help="prefill case: first on this checkout's engine (a before/after in one run)")
-    parser.add_argument("--before-quiet-requests", type=int, default=None,
-                        help="quiet requests on --before-root (default: --quiet-requests)")
+                        help="prefill case: first on this checkout (engine and gateway): a before/after in one run")
     parser.add_argument("--heavy-streams", type=int, default=2)
-    parser.add_argument("--heavy-head-start", type=float, default=2.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--image-requests", type=int, default=4)
@@ -314,10 +416,9 @@ def main() -> int:
         workdir = Path(tmp)
         if args.only in (None, "prefill"):
             if args.before_root is not None:  # the same run: before, then this checkout
-                results["prefill_before"] = case_prefill(args, workdir, args.before_root,
-                                                         args.before_quiet_requests or args.quiet_requests)
+                results["prefill_before"] = case_prefill(args, workdir, args.before_root)
                 print(json.dumps({"prefill_before": results["prefill_before"]}), flush=True)
-            results["prefill"] = case_prefill(args, workdir, ROOT, args.quiet_requests)
+            results["prefill"] = case_prefill(args, workdir, ROOT)
         if args.only in (None, "images"):
             results["images"] = case_images(args, workdir)
     results["load_after"] = os.getloadavg()[0]
@@ -333,18 +434,20 @@ def print_table(r: dict[str, Any]) -> None:
         if key not in r:
             continue
         p = r[key]
-        print(f"{key} ({p['root']}): quiet tenant TTFT (max_tokens 1) while another sends "
-              f"{r['args']['heavy_tokens']}-token prompts (budget {r['args']['max_num_batched_tokens']} tokens/step); "
-              f"cold {r['args']['heavy_tokens']}-token prefill alone {p['cold_prefill_s']:.1f} s; "
-              f"heavy prompts answered while loaded {p['heavy_answered_while_loaded']} in {p['loaded_seconds']:.0f} s")
-        print(f"  {'case':<28} {'n':>4} {'p50 ms':>10} {'p99 ms':>10} {'p99/idle':>9}")
-        idle = p["idle"]["p99_ms"]
-        for name in ("idle", "tenant_header", "shared_key_fcfs"):
-            if name not in p:
-                continue
+        print(f"{key} ({p['root']}, via {p['via']}): quiet tenant TTFT (max_tokens 1) idle and while another "
+              f"tenant sends {r['args']['heavy_tokens']}-token prompts ({r['args']['heavy_tokens'] - r['args']['heavy_new_tokens']} "
+              f"cached + {r['args']['heavy_new_tokens']} new, {r['args']['heavy_streams']} in flight; budget "
+              f"{r['args']['max_num_batched_tokens']} tokens/step), {r['args']['rounds']} alternating rounds")
+        print(f"  cold {r['args']['heavy_tokens']}-token prefill alone {p['cold_prefill_s']:.1f} s; heavy prompts "
+              f"answered while loaded {p['heavy_answered_while_loaded']} in {p['loaded_seconds']:.0f} s "
+              f"(heavy tokens computed while loaded: ~{p['heavy_tokens_per_s_while_loaded']:.0f}/s)")
+        print(f"  {'phase':<10} {'n':>4} {'p50 ms':>10} {'p99 ms':>10} {'p99/idle p99':>13}")
+        for name in ("idle", "loaded"):
             row = p[name]
-            print(f"  {name:<28} {row['n']:>4} {row['p50_ms']:>10.1f} {row['p99_ms']:>10.1f} "
-                  f"{row['p99_ms'] / idle:>8.2f}x")
+            print(f"  {name:<10} {row['n']:>4} {row['p50_ms']:>10.1f} {row['p99_ms']:>10.1f} "
+                  f"{row['p99_ms'] / p['idle']['p99_ms']:>12.2f}x")
+        print(f"  issue 29 target: loaded p99 within 2x idle p99: {p['p99_ratio']:.2f}x "
+              f"({'met' if p['p99_ratio'] <= 2 else 'NOT met'})")
     if "images" in r:
         i = r["images"]
         q = i["quiet_during"]

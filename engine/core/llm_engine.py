@@ -380,8 +380,13 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._aborts or self._calls or self.scheduler.has_work()):
-                    self._cond.wait()
+                while not (self._stopping or self._inbox or self._aborts or self._calls):
+                    if not self.scheduler.has_work():
+                        self._cond.wait()
+                    elif (hold := self.scheduler.hold_s()) > 0:  # anticipating a light tenant's request
+                        self._cond.wait(hold)
+                    else:
+                        break
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []

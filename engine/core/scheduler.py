@@ -16,33 +16,55 @@ Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_token
    another tenant's long prompt. Within a tenant, the oldest request takes the
    tenant's share first (its chunk takes all of it until its last chunk).
 
-Each step also has a cost budget, because a token's forward grows with its
-context: :func:`chunk_cost` counts a token at context ``c`` as ``max(1, c /
-context_cost_tokens)`` tokens (attention over a long context dominates: with the
-bundled model in bfloat16 on 2 CPU threads, measured on a loaded VM, a token at
-1k / 2k / 4k / 8k context costs about 2 / 4-12 / 25-40 / 40-60 times one at the
-start; ``CONTEXT_COST_TOKENS`` = 256 says 4 / 8 / 16 / 32). Prefill chunks are cut so that the step's cost (its decodes
-included) stays within the cost budget; the step's first prefill chunk gets at
-least one token, so prefill always progresses. The cost budget is:
+Each step also has a cost budget, because a forward's time grows with its
+contexts: :func:`chunk_cost` counts a token at context ``c`` as ``max(1, c /
+context_cost_tokens)`` tokens, and a sequence whose context ``c`` passes
+``context_cost_tokens`` one more token per ``sequence_cost_tokens`` past it (reading
+its K/V). With the bundled model in bfloat16 on 2 CPU threads (a quiet 2-core VM),
+a forward costs about 30 ms plus, per sequence at context 7.5k, 27 ms, plus per
+token 0.7 ms at short context, 1.6-1.9 ms at 4k and 2.7 ms at 7.5k;
+``CONTEXT_COST_TOKENS`` = 2048 and ``SEQUENCE_COST_TOKENS`` = 160 say 3.7 per token and
+34 per sequence at 7.5k (the forward's fixed part is in every step and not counted).
+Prefill chunks are cut so that the step's cost (its decodes included) stays within the
+cost budget; the step's first prefill chunk gets at least one token, so prefill always
+progresses. The cost budget is:
 
 * ``max_num_batched_tokens`` by default: no forward costs much more than a full
-  budget of short-context tokens, however long the context (a request arriving
-  while a lone long prompt prefills waits for at most that);
-* while a tenant that had prefill work within the last ``fair_window_s`` seconds
-  has none now (between its requests, or decoding) and others prefill: the
-  smallest demand such a tenant arrived with, but at least ``min(MIN_STEP_COST,
-  max_num_batched_tokens)``. A short request of a tenant that keeps sending them
-  so waits for at most a forward about as costly as its own, then runs in a
-  forward of its own cost: its time to first token stays within about twice its
+  budget of short-context tokens, however long the context (about 120 tokens at 7.5k
+  context with the default 512; a request arriving while a lone long prompt
+  prefills waits for at most that);
+* while a *light* tenant is active (it had prefill work within the last
+  ``fair_window_s`` seconds and arrived with a demand costing less than
+  ``max_num_batched_tokens``: the smallest such demand, but at least
+  ``min(MIN_STEP_COST, max_num_batched_tokens)``) and others prefill: that much for
+  the other tenants' work, plus the light tenants' own demand when they have work
+  in the step. A short request of a tenant that keeps sending them so waits for at
+  most a forward about as costly as its own, then runs in a forward of its own cost
+  (alone, or with the others' work of about that cost when its previous request's
+  step was a newcomers' step): its time to first token stays within about twice its
   cost alone, while the long prompts keep the forwards in between. (A request
   arriving after a longer pause waits for at most one forward of the default
   budget.) Tenants prefilling side by side share the step's cost equally.
 
 In the step where a tenant arrives (none of its requests had prefill work in the
 previous step: also a tenant whose last request just finished) beside tenants
-already prefilling, only the newcomers prefill, so that forward costs about
-what theirs cost alone (never two such steps in a row: the others keep at least
-every other step).
+already prefilling, only the newcomers prefill, their chunks first, so that forward
+costs about what theirs cost alone (never two such steps in a row: the others keep
+at least every other step, first in it).
+
+Anticipation: a light tenant that sends its next request as soon as the previous
+one is answered finds a forward of the others under way, however cheap, and waits
+for it. So while one of such a tenant's last ``ANTICIPATE_PAUSES`` pauses between
+requests (a new request's arrival minus when its previous prefill work ended) was at
+most ``ANTICIPATE_S``, :meth:`Scheduler.schedule` plans nothing for up to
+``ANTICIPATE_S`` after its prefill work ends, while all the prefill work there is
+belongs to tenants that arrived with a whole budget's demand or more and they alone
+run (another light or newly arrived tenant's request, decoding or not, is never held
+back; their decodes wait with the rest).
+:meth:`Scheduler.hold_s` tells the engine loop how long to wait unless a request
+arrives. At most one hold per request of the light tenant, so the others lose at
+most ``ANTICIPATE_S`` per such request; a tenant pausing longer
+(``ANTICIPATE_PAUSES`` times in a row) is not waited for.
 
 Admission of a waiting request (while fewer than ``max_num_seqs`` run): take the
 prefix-cache hit, allocate blocks for the first chunk of the rest. A request whose
@@ -87,7 +109,8 @@ Invariants:
   ``num_computed_tokens`` (a waiting one holds no block), except a segmented
   request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests);
-  those remembered for the cost budget had prefill work within ``fair_window_s``;
+  those remembered for the cost budget and anticipation had prefill work within
+  ``fair_window_s``; a hold lasts at most ``ANTICIPATE_S`` and plans nothing;
 * a compressed request (``req.packed``) is exact until its prefill ends (with
   progressive packing, until a chunk reaches ``min_tokens``; its later chunks, at
   most ``PyramidSchedule.chunk`` tokens, grow its packed pages); then
@@ -124,31 +147,47 @@ from engine.model.pyramid import PyramidSchedule
 
 RESERVE_HORIZON = 1024
 """Output tokens a request's admission reservation covers at most."""
-CONTEXT_COST_TOKENS = 256
+CONTEXT_COST_TOKENS = 2048
 """Past this context a token's forward costs ``context / CONTEXT_COST_TOKENS`` short ones."""
+SEQUENCE_COST_TOKENS = 160
+"""Past ``CONTEXT_COST_TOKENS`` of context, a sequence in a forward costs one more short
+token per ``SEQUENCE_COST_TOKENS`` tokens of context (reading its K/V)."""
 MIN_STEP_COST = 32
 """The least cost budget (in short-context tokens) a step gets while tenants share."""
 FAIR_WINDOW_S = 10.0
 """How long a tenant counts as active after its last prefill work."""
+ANTICIPATE_S = 0.05
+"""How long the engine may hold its next forward for a light tenant that sends its requests back to back."""
+ANTICIPATE_PAUSES = 4
+"""A tenant is anticipated while one of its last this many pauses between requests was at most ``ANTICIPATE_S``."""
 
 
-def chunk_cost(start: int, n: int, context_cost_tokens: int) -> float:
-    """The estimated cost of computing tokens ``[start, start + n)``, in tokens at short
-    context: each token counts ``max(1, context / context_cost_tokens)``, its context
-    taken as the chunk's end (an upper bound)."""
-    return n * max(1.0, (start + n) / context_cost_tokens)
+def chunk_cost(start: int, n: int, context_cost_tokens: int, sequence_cost_tokens: int = SEQUENCE_COST_TOKENS,
+               ) -> float:
+    """The estimated cost of computing tokens ``[start, start + n)`` of one sequence, in
+    tokens at short context, its context taken as the chunk's end ``e`` (an upper bound):
+    each token counts ``max(1, e / context_cost_tokens)``, and the sequence's K/V read
+    ``max(0, e - context_cost_tokens) / sequence_cost_tokens``. Nothing (0) for no token;
+    exactly ``n`` while ``e <= context_cost_tokens``."""
+    if n <= 0:
+        return 0.0
+    end = start + n
+    return n * max(1.0, end / context_cost_tokens) + max(0, end - context_cost_tokens) / sequence_cost_tokens
 
 
-def tokens_within(start: int, cost: float, context_cost_tokens: int) -> int:
+def tokens_within(start: int, cost: float, context_cost_tokens: int,
+                  sequence_cost_tokens: int = SEQUENCE_COST_TOKENS) -> int:
     """The most tokens from ``start`` whose :func:`chunk_cost` is at most ``cost``."""
     if cost < 1:
         return 0
-    k = context_cost_tokens
-    n = int((-start + math.sqrt(start * start + 4 * cost * k)) / 2)  # n * (start + n) / k <= cost
+    k, s = context_cost_tokens, sequence_cost_tokens
+    # past k: n^2 / k + n (start / k + 1 / s) - (cost - (start - k) / s) <= 0, its positive root
+    b, c = start / k + 1 / s, cost - (start - k) / s
+    n = int(2 * c / (b + math.sqrt(b * b + 4 * c / k))) if c > 0 else 0
     n = max(n, min(int(cost), k - start))  # short context: one per token
-    while n > 0 and chunk_cost(start, n, k) > cost:
+    while n > 0 and chunk_cost(start, n, k, s) > cost:
         n -= 1
-    while chunk_cost(start, n + 1, k) <= cost:
+    while chunk_cost(start, n + 1, k, s) <= cost:
         n += 1
     return n
 
@@ -213,25 +252,26 @@ class SchedulerOutput:
 class _Step:
     """One step being planned: its output, the budget left, who is already scheduled."""
 
-    def __init__(self, budget: int, context_cost_tokens: int) -> None:
+    def __init__(self, budget: int, context_cost_tokens: int, sequence_cost_tokens: int) -> None:
         self.out = SchedulerOutput()
         self.budget = budget
         self.cost = float(budget)  # the cost budget left
         self.context_cost_tokens = context_cost_tokens
+        self.sequence_cost_tokens = sequence_cost_tokens
         self.requests: set[EngineRequest] = set()
         self.num_decodes = 0  # set once the decodes are scheduled
 
     def most_tokens(self, start: int, cost: float) -> int:
         """The most tokens from ``start`` costing at most ``cost`` (at least one for the
         step's first prefill chunk)."""
-        n = tokens_within(start, cost, self.context_cost_tokens)
+        n = tokens_within(start, cost, self.context_cost_tokens, self.sequence_cost_tokens)
         return n if n or len(self.out.scheduled) > self.num_decodes else 1
 
     def add(self, seq: ScheduledSequence) -> None:
         self.out.scheduled.append(seq)
         self.requests.add(seq.request)
         self.budget -= seq.num_new_tokens
-        self.cost -= chunk_cost(seq.start, seq.num_new_tokens, self.context_cost_tokens)
+        self.cost -= chunk_cost(seq.start, seq.num_new_tokens, self.context_cost_tokens, self.sequence_cost_tokens)
 
 
 def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None, int]:
@@ -279,13 +319,15 @@ class Scheduler:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         model: str = "model",
         context_cost_tokens: int = CONTEXT_COST_TOKENS,
+        sequence_cost_tokens: int = SEQUENCE_COST_TOKENS,
         fair_window_s: float = FAIR_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or context_cost_tokens < 1:
+        if min(max_num_seqs, max_num_batched_tokens, context_cost_tokens, sequence_cost_tokens) < 1:
             raise ValueError(
-                f"max_num_seqs, max_num_batched_tokens and context_cost_tokens must be >= 1, got "
-                f"{max_num_seqs!r}, {max_num_batched_tokens!r} and {context_cost_tokens!r}"
+                f"max_num_seqs, max_num_batched_tokens, context_cost_tokens and sequence_cost_tokens must be "
+                f">= 1, got {max_num_seqs!r}, {max_num_batched_tokens!r}, {context_cost_tokens!r} and "
+                f"{sequence_cost_tokens!r}"
             )
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -308,10 +350,14 @@ class Scheduler:
         self._capped_last = False  # only newcomers prefilled in the previous step
         self._prefilling_before: set[EngineRequest] = set()  # requests with prefill work in the previous step
         self.context_cost_tokens = context_cost_tokens
+        self.sequence_cost_tokens = sequence_cost_tokens
         self.fair_window_s = fair_window_s
         self.clock = clock
         # tenant -> (the cost of the demand it arrived with, when it last had prefill work)
         self._active: dict[str | None, tuple[float, float]] = {}
+        self._left: dict[str | None, float] = {}  # active tenant -> when its prefill work last ended
+        self._gaps: dict[str | None, deque[float]] = {}  # active tenant -> its last pauses between requests
+        self._hold_until = 0.0
 
     def reservation(self, req: EngineRequest, hit_tokens: int = 0) -> int:
         """Blocks set aside for a request at admission: its prompt and horizon, and for
@@ -364,10 +410,23 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # ------------------------------------------------------------------ a step
+    def hold_s(self) -> float:
+        """Seconds the engine waits (unless a request arrives) before the next :meth:`schedule`
+        (0: none): while it anticipates a light tenant's next request."""
+        return max(0.0, self._hold_until - self.clock())
+
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's work and reserve its slots (see the module docstring)."""
+        """Choose this step's work and reserve its slots (see the module docstring); no
+        work while anticipating a light tenant's next request (:meth:`hold_s`)."""
+        if self._anticipating():  # forget only what finished meanwhile
+            live = set(self.all_requests())
+            self._prefilling_before = {r for r in self._prefilling_before if r in live}
+            working = self._prefill_queues()
+            for tenant in [t for t in self._last_served if t not in working]:
+                del self._last_served[tenant]
+            return SchedulerOutput()
         self.num_steps += 1
-        step = _Step(self.max_num_batched_tokens, self.context_cost_tokens)
+        step = _Step(self.max_num_batched_tokens, self.context_cost_tokens, self.sequence_cost_tokens)
         for req in list(self.running):
             if step.budget <= 0:
                 break
@@ -377,10 +436,11 @@ class Scheduler:
         queues = self._prefill_queues()
         order = sorted(queues, key=lambda t: self._last_served.get(t, -1))
         demands = {t: sum(r.num_uncomputed_tokens for r in queues[t]) for t in order}
-        costs = {t: sum(chunk_cost(r.num_computed_tokens, r.num_uncomputed_tokens, self.context_cost_tokens)
-                        for r in queues[t]) for t in order}
+        costs = {t: sum(chunk_cost(r.num_computed_tokens, r.num_uncomputed_tokens, self.context_cost_tokens,
+                                   self.sequence_cost_tokens) for r in queues[t]) for t in order}
         decodes_cost = self.max_num_batched_tokens - step.cost
         cap, newcomers = self._cost_budget(queues, costs)
+        order.sort(key=lambda t: t not in newcomers)  # a newcomers' step's first chunk is theirs
         step.cost = cap - decodes_cost
         shares = _water_fill(demands, step.budget)
         cost_shares = _cost_shares(costs, step.cost, newcomers)
@@ -398,6 +458,33 @@ class Scheduler:
             del self._last_served[tenant]
         return step.out
 
+    def _anticipating(self) -> bool:
+        """Whether to hold this step for a light tenant whose prefill work just ended and
+        one of whose last ``ANTICIPATE_PAUSES`` pauses between requests was at most
+        ``ANTICIPATE_S`` (see the module docstring). Remembers when tenants' prefill work
+        ends and their pauses."""
+        now = self.clock()
+        present: dict[str | None, float] = {}  # tenant with prefill work -> its first arrival
+        for req in [*(r for r in self.running if r.num_uncomputed_tokens > 1), *self.waiting]:
+            present[req.tenant] = min(present.get(req.tenant, req.arrival_time), req.arrival_time)
+        for tenant in [t for t in self._left if t in present]:
+            pauses = self._gaps.setdefault(tenant, deque(maxlen=ANTICIPATE_PAUSES))
+            pauses.append(present[tenant] - self._left.pop(tenant))
+        for tenant in {r.tenant for r in self._prefilling_before} - present.keys():
+            self._left.setdefault(tenant, now)
+        for tenant in [t for t in self._left if t not in self._active]:
+            del self._left[tenant]
+        for tenant in [t for t in self._gaps if t not in self._active]:
+            del self._gaps[tenant]
+        budget = self.max_num_batched_tokens
+        heavy = {t for t, (cost, _) in self._active.items() if cost >= budget}
+        waits = [left + ANTICIPATE_S for t, left in self._left.items()
+                 if t not in heavy and min(self._gaps.get(t, [math.inf])) <= ANTICIPATE_S]
+        # only the work of tenants that arrived with a whole budget's demand is held back
+        held = bool(present) and present.keys() <= heavy and {r.tenant for r in self.running} <= heavy
+        self._hold_until = max((w for w in waits if w > now), default=0.0) if held else 0.0
+        return self._hold_until > 0
+
     def _cost_budget(self, queues: dict[str | None, list[EngineRequest]], costs: dict[str | None, float],
                      ) -> tuple[float, set[str | None]]:
         """This step's cost budget (decodes included) and the tenants that alone may
@@ -414,9 +501,10 @@ class Scheduler:
             del self._active[tenant]
         self._prefilling_before = {r for queue in queues.values() for r in queue}
         budget = float(self.max_num_batched_tokens)
-        away = [cost for t, (cost, _) in self._active.items() if t not in costs]
-        if away and costs:
-            budget = min(budget, max(min(away), min(MIN_STEP_COST, budget)))
+        light = {t: cost for t, (cost, _) in self._active.items() if cost < budget}
+        if light and costs:  # the others' work costs at most the least such demand, the light ones' comes on top
+            own = sum(costs[t] for t in light if t in costs)
+            budget = min(budget, max(min(light.values()), min(MIN_STEP_COST, budget)) + own)
         return budget, new if newcomers_only else set()
 
     def _prefill_queues(self) -> dict[str | None, list[EngineRequest]]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.core.llm_engine import GenerationRequest, SamplingParams
+from engine.core.scheduler import ANTICIPATE_S, Scheduler
 from engine.model.runner import ModelRunner
 
 _ids = itertools.count()
@@ -183,6 +184,35 @@ def test_tenants_share_prefill_and_batched_greedy_still_equals_one_at_a_time(mak
     # the quiet tenant's whole prompt is in the first forward, beside the heavy tenant's first chunk
     assert sorted(spy_steps[0]) == [(9, 0, True), (23, 0, False)]
     assert all(sum(n for n, _, _ in step) <= 32 for step in spy_steps)
+    assert_all_free(engine)
+
+
+def test_a_quiet_tenant_sending_back_to_back_is_anticipated_and_answers_stay_exact(make_tiny_engine, monkeypatch):
+    """A quiet tenant's requests one after another beside a heavy tenant's long prompt:
+    the engine loop holds for the quiet tenant's next request (``Scheduler.hold_s``) and
+    every answer equals the one it gets alone."""
+    reference = make_tiny_engine(enable_prefix_caching=False, max_num_seqs=1)
+    heavy_prompt = prompt_of(600, offset=11)
+    quiet = [prompt_of(6, offset=100 + 10 * i) for i in range(6)]
+    expected_heavy = solo(reference, heavy_prompt, 2)
+    expected_quiet = [solo(reference, p, 1) for p in quiet]
+    holds = []
+    real_hold_s = Scheduler.hold_s
+
+    def spy(self):
+        hold = real_hold_s(self)
+        if hold > 0:
+            holds.append(hold)
+        return hold
+
+    monkeypatch.setattr(Scheduler, "hold_s", spy)
+    engine = make_tiny_engine(max_num_batched_tokens=8)
+    heavy = engine.submit(GenerationRequest(f"h-{next(_ids)}", heavy_prompt, params(2), tenant="heavy"))
+    answers = [tokens_of(engine.submit(GenerationRequest(f"q-{next(_ids)}", p, params(1), tenant="quiet"))
+                         .result(timeout=120)) for p in quiet]
+    assert answers == expected_quiet
+    assert tokens_of(heavy.result(timeout=120)) == expected_heavy
+    assert holds and max(holds) <= ANTICIPATE_S
     assert_all_free(engine)
 
 

@@ -12,7 +12,7 @@ import pytest
 from engine.core.engine_request import EngineRequest
 from engine.core.output_stream import GenerationRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import MIN_STEP_COST, Scheduler, chunk_cost, tokens_within
+from engine.core.scheduler import ANTICIPATE_S, MIN_STEP_COST, Scheduler, chunk_cost, tokens_within
 from engine.kvcache.kv_cache_manager import KVCacheManager
 
 BS = 4
@@ -266,12 +266,15 @@ def step_cost(out, k):
 
 
 def test_chunk_cost_and_tokens_within_agree():
-    for k in (1, 8, 512):
-        for start in (0, 5, 100, 8000):
-            for cost in (0.5, 1, 7, 32, 512):
-                n = tokens_within(start, cost, k)
-                assert chunk_cost(start, n, k) <= cost < chunk_cost(start, n + 1, k)
-    assert chunk_cost(0, 16, 16) == 16 and chunk_cost(16, 16, 16) == 32  # context past k costs more
+    for k in (1, 8, 512, 2048):
+        for s in (1, 160, 10**6):
+            for start in (0, 5, 100, 2000, 8000):
+                for cost in (0.5, 1, 7, 32, 512):
+                    n = tokens_within(start, cost, k, s)
+                    assert chunk_cost(start, n, k, s) <= cost < chunk_cost(start, n + 1, k, s)
+    assert chunk_cost(0, 16, 16, 8) == 16  # short context: one per token
+    assert chunk_cost(16, 16, 16, 8) == 32 + 2  # past k: context / k per token, (end - k) / s per sequence
+    assert chunk_cost(100, 0, 16) == 0
 
 
 def test_a_lone_long_prompt_gets_chunks_of_bounded_cost():
@@ -297,7 +300,7 @@ def test_the_first_prefill_chunk_gets_a_token_whatever_it_costs():
         out = sched.schedule()
         sizes.append(out.num_tokens)
         finish_step(sched, out)
-    assert sizes == [2, 1, 1, 1, 1, 1]  # past the first two, one token costs more than 4: one per step, never 0
+    assert sizes == [1] * 6  # past the first, one token costs more than 4: one per step, never 0
 
 
 class Clock:
@@ -358,3 +361,104 @@ def test_tenants_with_long_prompts_are_not_slowed_by_each_other():
         assert budget - 2 * (a.num_computed_tokens + 64) / k <= step_cost(out, k) <= budget
         assert {s.request for s in out.scheduled} == {a, b}
         finish_step(sched, out)
+
+
+def test_a_quiet_request_arriving_right_after_its_previous_one_shares_a_step_of_bounded_cost():
+    """Q sends its next request as soon as the previous one is answered, so it is there
+    for the step after its newcomers' step, which is not a newcomers' step (never two in
+    a row): Q's whole request is in it, and A's part costs no more than in the steps
+    between Q's requests (not the rest of the full budget)."""
+    k, budget = 64, 128
+    sched = make(num_blocks=400, max_num_batched_tokens=budget, context_cost_tokens=k, clock=Clock())
+    heavy = request(1000, max_tokens=1, tenant="A")
+    sched.add(heavy)
+    for _ in range(3):
+        finish_step(sched, sched.schedule())
+    quiet_cost = chunk_cost(0, 12, k)
+    first = request(12, max_tokens=1, offset=3000, tenant="Q")
+    sched.add(first)
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [first]  # Q's arrival: Q alone
+    finish_step(sched, out)
+    sched.finish(first)
+    second = request(12, max_tokens=1, offset=3100, tenant="Q")
+    sched.add(second)  # back at once
+    out = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled if s.request.tenant == "Q"] == [(second, 12)]
+    heavy_part = [s for s in out.scheduled if s.request is heavy]
+    assert heavy_part and sum(chunk_cost(s.start, s.num_new_tokens, k) for s in heavy_part) <= max(
+        quiet_cost, MIN_STEP_COST)
+
+
+def test_the_engine_holds_a_forward_for_a_light_tenant_that_comes_back_at_once():
+    """Q sends its requests back to back (a pause of 5 ms) beside A's long prompt: once a
+    pause at most ANTICIPATE_S is seen, the step after Q's request ends holds (no work,
+    :meth:`hold_s` says how long) until Q's next request, which then runs at once (with
+    a share of A's of bounded cost when the step before was Q's newcomers' step); a hold
+    never outlasts ANTICIPATE_S (A goes on), and a tenant whose pauses are longer is
+    never waited for."""
+    clock = Clock()
+    sched = make(num_blocks=400, max_num_batched_tokens=64, context_cost_tokens=16, clock=clock)
+    heavy = request(1000, max_tokens=1, tenant="A")
+    sched.add(heavy)
+    finish_step(sched, sched.schedule())
+
+    def quiet_round(pause, tenant="Q"):
+        """One of ``tenant``'s requests arriving ``pause`` seconds after the last step; its step."""
+        clock.now += pause
+        quiet = request(6, max_tokens=1, offset=3000 + next(_ids) * 10, tenant=tenant)
+        quiet.arrival_time = clock.now
+        sched.add(quiet)
+        out = sched.schedule()
+        assert (quiet, 6) in [(s.request, s.num_new_tokens) for s in out.scheduled]  # Q's whole request
+        others = [s for s in out.scheduled if s.request is not quiet]
+        assert all(s.request is heavy for s in others)
+        assert sum(chunk_cost(s.start, s.num_new_tokens, 16) for s in others) <= max(chunk_cost(0, 6, 16), MIN_STEP_COST)
+        finish_step(sched, out)
+        sched.finish(quiet)
+        return bool(others)
+
+    quiet_round(0.0)
+    held, shared = [], []
+    for _ in range(5):
+        out = sched.schedule()  # Q's request ended: hold while Q is expected
+        held.append(not out.scheduled)
+        if out.scheduled:
+            finish_step(sched, out)
+        shared.append(quiet_round(0.005))
+    assert held == [False, True, True, True, True]  # no pause seen before the first: no hold then
+    # held, Q's requests alternate between newcomers' steps (Q alone) and steps that A shares
+    # (never two newcomers' steps in a row): A still progresses
+    assert shared == [False, True, False, True, False]
+    assert sched.hold_s() == 0  # Q's request came: the hold is over
+    out = sched.schedule()
+    assert not out.scheduled and 0 < sched.hold_s() <= ANTICIPATE_S + 1e-9
+    clock.now += ANTICIPATE_S  # Q does not come back in time: A goes on
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == [heavy] and sched.hold_s() == 0
+    finish_step(sched, out)
+    clock.now += 0.01
+    assert sched.schedule().scheduled  # one hold per request of Q, never two
+    for _ in range(2):  # R pauses 0.2 s between its requests: never waited for
+        quiet_round(0.2, tenant="R")
+        out = sched.schedule()
+        assert [s.request for s in out.scheduled] == [heavy]
+        finish_step(sched, out)
+    quiet_round(0.2)  # one long pause of Q's: one of its last ANTICIPATE_PAUSES was short
+    assert not sched.schedule().scheduled and sched.hold_s() > 0
+    newcomer = request(6, max_tokens=1, offset=9000, tenant="N")
+    newcomer.arrival_time = clock.now
+    sched.add(newcomer)  # another tenant's short request while held for Q: never held back
+    out = sched.schedule()
+    assert newcomer in [s.request for s in out.scheduled] and sched.hold_s() == 0
+    finish_step(sched, out)
+    sched.finish(newcomer)
+    clock.now += 0.005
+    talk = request(6, max_tokens=3, offset=9100, tenant="Q")  # an answer of 3 tokens
+    talk.arrival_time = clock.now
+    sched.add(talk)
+    out = sched.schedule()
+    assert talk in [s.request for s in out.scheduled]
+    finish_step(sched, out)
+    out = sched.schedule()  # Q's prefill ended, its request decodes: no hold
+    assert talk in [s.request for s in out.scheduled] and sched.hold_s() == 0
