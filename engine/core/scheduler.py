@@ -347,6 +347,7 @@ class Scheduler:
         self.modules = ModuleAssembler(kv_cache_manager, model)
         self.num_steps = 0
         self._last_served: dict[str | None, int] = {}  # tenant -> step of its last prefill tokens
+        self._late: set[str | None] = set()  # newcomers right after a newcomers' step: after the others
         self._capped_last = False  # only newcomers prefilled in the previous step
         self._prefilling_before: set[EngineRequest] = set()  # requests with prefill work in the previous step
         self.context_cost_tokens = context_cost_tokens
@@ -440,7 +441,8 @@ class Scheduler:
                                    self.sequence_cost_tokens) for r in queues[t]) for t in order}
         decodes_cost = self.max_num_batched_tokens - step.cost
         cap, newcomers = self._cost_budget(queues, costs)
-        order.sort(key=lambda t: t not in newcomers)  # a newcomers' step's first chunk is theirs
+        # a newcomers' step's first chunk is theirs; in the step after it, the others' are first
+        order.sort(key=lambda t: (t not in newcomers, t in self._late))
         step.cost = cap - decodes_cost
         shares = _water_fill(demands, step.budget)
         cost_shares = _cost_shares(costs, step.cost, newcomers)
@@ -493,6 +495,7 @@ class Scheduler:
         now = self.clock()
         new = {t for t, queue in queues.items() if self._prefilling_before.isdisjoint(queue)}
         newcomers_only = bool(new) and len(new) < len(costs) and not self._capped_last
+        self._late = new if new and len(new) < len(costs) and not newcomers_only else set()
         self._capped_last = newcomers_only
         for tenant, cost in costs.items():
             arrived = tenant in new or tenant not in self._active

@@ -462,3 +462,36 @@ def test_the_engine_holds_a_forward_for_a_light_tenant_that_comes_back_at_once()
     finish_step(sched, out)
     out = sched.schedule()  # Q's prefill ended, its request decodes: no hold
     assert talk in [s.request for s in out.scheduled] and sched.hold_s() == 0
+
+
+def test_a_long_prompt_keeps_every_other_step_when_one_of_its_tokens_costs_more_than_its_share():
+    """At a long context one token of A's costs more than A's share of a step beside a
+    light tenant's request, so A progresses only through the guaranteed first chunk of a
+    step: in the step after Q's newcomers' step, A's chunk comes first (Q's request ran
+    alone in the step before), whatever order the tenants were last served in. Q sends
+    back to back (holds between its requests): A still gets a token every other step."""
+    clock = Clock()
+    k = 16
+    sched = make(num_blocks=400, max_num_batched_tokens=64, context_cost_tokens=k, clock=clock)
+    heavy = request(1000, max_tokens=1, tenant="A")
+    sched.add(heavy)
+    while heavy.num_computed_tokens < 900:
+        finish_step(sched, sched.schedule())
+    start = heavy.num_computed_tokens
+    assert chunk_cost(start, 1, k) > MIN_STEP_COST + chunk_cost(0, 6, k)  # a token exceeds any share of A's
+    shared = []
+    for _ in range(6):
+        clock.now += 0.005
+        quiet = request(6, max_tokens=1, offset=3000 + next(_ids) * 10, tenant="Q")
+        quiet.arrival_time = clock.now
+        sched.add(quiet)
+        out = sched.schedule()
+        assert (quiet, 6) in [(s.request, s.num_new_tokens) for s in out.scheduled]
+        shared.append([s.num_new_tokens for s in out.scheduled if s.request is heavy])
+        finish_step(sched, out)
+        sched.finish(quiet)
+        out = sched.schedule()  # held for Q's next request (nothing planned), else A's step
+        if out.scheduled:
+            finish_step(sched, out)
+    assert sum(1 for part in shared if part) >= 2 and all(part in ([], [1]) for part in shared)
+    assert heavy.num_computed_tokens > start
