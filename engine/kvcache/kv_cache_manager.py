@@ -401,12 +401,16 @@ class KVCacheManager:
             fail(f"free queue holds {len(forward)} blocks, counter says {queue.num_free_blocks}")
         # Ref counts against block tables.
         refs = [0] * pool.num_blocks
-        for rid, blocks in self.req_to_blocks.items():
+
+        def count(holder: str, blocks: list[KVCacheBlock]) -> None:
             ids = [b.block_id for b in blocks]
             if len(set(ids)) != len(ids):
-                fail(f"request {rid!r} holds a block twice: {ids}")
+                fail(f"{holder} holds a block twice: {ids}")
             for b in blocks:
                 refs[b.block_id] += 1
+
+        for rid, blocks in self.req_to_blocks.items():
+            count(f"request {rid!r}", blocks)
             if rid in self.packed:
                 if self.num_cached_blocks[rid] or any(b.block_hash is not None for b in blocks):
                     fail(f"packed request {rid!r} holds a hashed block")
@@ -423,11 +427,7 @@ class KVCacheManager:
                     if blocks[i].block_hash != req.block_hashes[i]:
                         fail(f"request {rid!r} block {i} ({blocks[i]}) lost its hash")
         for owner, held in self.module_holds.items():
-            ids = [b.block_id for b in held]
-            if len(set(ids)) != len(ids):
-                fail(f"module holder {owner!r} holds a block twice: {ids}")
-            for b in held:
-                refs[b.block_id] += 1
+            count(f"module holder {owner!r}", held)
         for block in pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 fail(f"{block} ref_cnt != {refs[block.block_id]} block-table references")
