@@ -59,3 +59,30 @@ def test_a_token_gets_the_same_bits_in_a_chunk_a_tail_and_a_decode(length):
     for back in (1, 2, 5, 16):
         alone = attend(storage, queries, keys, values, length - back, length - back + 1, decode=True)
         assert torch.equal(alone[0], chunk[-back]), back
+
+
+def test_scores_as_keys_first_change_no_bit(monkeypatch):
+    """A decode and a short tail compute scores as ``K @ q^T`` where this machine gives
+    ``q @ K^T``'s bits (checked once on a probe): their outputs equal those with every
+    scores product as ``q @ K^T``."""
+    from engine.model import attention
+
+    length = 2048
+    generator = torch.Generator().manual_seed(7)
+    layout = KVLayout(num_layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BS, dtype=torch.bfloat16)
+    storage = KVStorage(layout, length // BS)
+
+    def rand(heads):
+        return torch.randn((length, heads, HEAD_DIM), generator=generator).to(torch.bfloat16)
+
+    queries, keys, values = rand(HEADS) * 3, rand(KV_HEADS), rand(KV_HEADS)
+    with torch.inference_mode():
+        storage.write(0, torch.tensor(storage.slot_ids(list(range(length // BS)), 0, length)), keys, values)
+    outputs, few = {}, attention.KEYS_FIRST_ROWS
+    for rows in (few, 0):
+        monkeypatch.setattr(attention, "KEYS_FIRST_ROWS", rows)
+        outputs[rows] = (attend(storage, queries, keys, values, length - 16, length, decode=False),
+                         attend(storage, queries, keys, values, length - 1, length, decode=True))
+    assert attention.keys_first_agrees(), "this machine's kernels should agree (else decodes use q @ K^T)"
+    assert torch.equal(outputs[0][0], outputs[few][0])
+    assert torch.equal(outputs[0][1], outputs[few][1])
