@@ -18,6 +18,7 @@ from engine.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_ENCODER_CACHE_MEMORY_GIB,
     DEFAULT_KV_CACHE_MEMORY_GIB,
+    DEFAULT_KV_MIRROR_MEMORY_GIB,
     DEFAULT_KV_OFFLOAD_SIZE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -114,6 +115,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--kv-window", type=_positive_int, default=32, metavar="TOKENS",
                         help="pyramid: most recent tokens every layer keeps, whose attention picks the "
                         "rest; also how often decoding selects again (default: 32)")
+    parser.add_argument("--kv-mirror-memory", type=_non_negative_float, default=DEFAULT_KV_MIRROR_MEMORY_GIB,
+                        metavar="GIB",
+                        help="memory for contiguous copies of long requests' K/V (1k+ tokens), which "
+                        "attention reads instead of gathering them from the paged cache every step; 0 turns "
+                        f"them off; outputs are the same either way (default: {DEFAULT_KV_MIRROR_MEMORY_GIB})")
     parser.add_argument("--kv-progressive", action="store_true",
                         help="pyramid: compress a long prompt as soon as its first chunk reaches 128 tokens "
                         "and compute the rest over the kept KV, chunk by chunk, selecting again after each "
@@ -187,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
             weights=args.weights, kv_compression=args.kv_compression,
             kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
-            kv_progressive=args.kv_progressive,
+            kv_progressive=args.kv_progressive, kv_mirror_memory_gib=args.kv_mirror_memory,
         )
         _check_model(args.model)
         events_config = None
@@ -281,6 +287,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

@@ -14,6 +14,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25
 DEFAULT_KV_OFFLOAD_SIZE_GIB = 10.0
+DEFAULT_KV_MIRROR_MEMORY_GIB = 0.5
 KV_COMPRESSIONS = ("none", "pyramid")
 
 
@@ -38,6 +39,9 @@ class EngineConfig:
     ``kv_min_retention``, plus the last ``kv_window`` tokens (:mod:`engine.model.pyramid`),
     and selects again every ``kv_window`` decoded tokens; ``kv_progressive`` compresses
     a long prompt after its first chunk and computes the rest over the kept KV.
+    ``kv_mirror_memory_gib``: at most this much memory for contiguous copies of long
+    requests' K/V, read by attention instead of gathering them from the pool each step
+    (:mod:`engine.model.kv_mirror`; 0 turns them off; outputs are the same either way).
     """
 
     model: str | None = None
@@ -59,6 +63,7 @@ class EngineConfig:
     kv_min_retention: float = 0.2
     kv_window: int = 32
     kv_progressive: bool = False
+    kv_mirror_memory_gib: float = DEFAULT_KV_MIRROR_MEMORY_GIB
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
+        if not isinstance(self.kv_mirror_memory_gib, int | float) or not self.kv_mirror_memory_gib >= 0:
+            raise ValueError(f"kv_mirror_memory_gib must be >= 0, got {self.kv_mirror_memory_gib!r}")
         if not isinstance(self.encoder_cache_memory_gib, int | float) or self.encoder_cache_memory_gib < 0:
             raise ValueError(f"encoder_cache_memory_gib must be >= 0, got {self.encoder_cache_memory_gib!r}")
         if self.max_model_len is not None and (

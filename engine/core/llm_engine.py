@@ -104,7 +104,8 @@ class LLMEngine:
             if self.layout.dtype != torch.bfloat16:
                 raise ValueError(f"weights='q4_1' needs bfloat16, the model is {self.layout.dtype}")
             q4_layers = read_q4_layers(gguf_file(config.model))
-        self.runner = ModelRunner(model, self.storage, q4_layers=q4_layers)
+        self.runner = ModelRunner(model, self.storage, q4_layers=q4_layers,
+                                  mirror_bytes=int(config.kv_mirror_memory_gib * GIB))
         model_len = config.max_model_len or mc.max_position_embeddings
         kv_tokens = self.storage.num_blocks * config.block_size
         if model_len > kv_tokens:
@@ -418,6 +419,8 @@ class LLMEngine:
     def step(self) -> None:
         """Run one scheduler step: one forward over every scheduled token, then sample."""
         work = self.scheduler.schedule()
+        for req in work.preempted:  # its blocks were freed
+            self.runner.mirrors.forget(req.request_id)
         if work.copies:  # module K/V into segmented requests' blocks, before the forward reads them
             assert self.shifter is not None
             self.shifter.apply(work.copies)
@@ -443,6 +446,7 @@ class LLMEngine:
                     capture=capture,
                     packed=s.request.packed,
                     joins=i > 0 and work.scheduled[i - 1].request is s.request,  # a segmented request's runs
+                    mirror=s.request.request_id if s.request.assembly is None and s.request.packed is None else None,
                 )
                 for i, (s, capture) in enumerate(zip(work.scheduled, captures, strict=True))
             ]
@@ -525,6 +529,7 @@ class LLMEngine:
             logger.exception("KV compression of %s failed", req.request_id)
             return
         if done:
+            self.runner.mirrors.forget(req.request_id)
             self.num_compressed += 1
             self.compressed_tokens += n
             self.retained_tokens += packed.num_tokens / self.layout.num_layers
@@ -627,8 +632,9 @@ class LLMEngine:
             self.abort(req.request_id)  # the consumer's event loop is gone
 
     def _release(self, req: EngineRequest) -> None:
-        """Take the request out of the scheduler and free its blocks (idempotent)."""
+        """Take the request out of the scheduler and free its blocks and mirror (idempotent)."""
         self.scheduler.finish(req)
+        self.runner.mirrors.forget(req.request_id)
         self._num_finished += 1
         with self._cond:
             self._active.discard(req.request_id)

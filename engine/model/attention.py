@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from engine.model.kv_mirror import MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.pyramid import AttentionCapture
@@ -130,6 +131,9 @@ class SequenceSlice:
     """Per query chunk start, the keys its rows must not see (filled by the first
     layer, reused by the others: the mask is by position, the same in every layer)."""
     positions: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    mirror: MirrorUse | None = field(default=None, compare=False, repr=False)
+    """When set, keys and values are read from the request's mirror
+    (:mod:`engine.model.kv_mirror`), not gathered through ``kv_rows``."""
     capture: AttentionCapture | None = field(default=None, compare=False, repr=False)
     """When set, each layer adds the attention of this slice's last ``capture.window``
     tokens over its keys to it (:mod:`engine.model.pyramid`); outputs are unchanged."""
@@ -159,6 +163,9 @@ class DecodeGroup:
     kv_rows: torch.Tensor
     blocks_per_seq: int
     hidden: torch.Tensor
+    mirror: MirrorUse | None = None
+    """A group of one sequence may read its keys and values from its mirror
+    (:mod:`engine.model.kv_mirror`) instead of gathering them."""
     first_row: int | None = None
     """``rows[0]`` when the rows are consecutive (then queries and outputs are read and
     written through slices, not gathered and scattered), else None."""
@@ -169,9 +176,11 @@ class DecodeGroup:
 
     @classmethod
     def build(cls, rows: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]],
-              storage: KVStorage) -> DecodeGroup:
+              storage: KVStorage, mirror: MirrorUse | None = None) -> DecodeGroup:
         """The group of sequences at ``rows`` whose tokens sit at ``positions``, with
-        block ``tables`` of equal length in ``storage``."""
+        block ``tables`` of equal length in ``storage`` (one sequence with a ``mirror``)."""
+        if mirror is not None and len(rows) != 1:
+            raise ValueError(f"a mirrored decode group has one sequence, got {len(rows)}")
         length = len(tables[0]) * storage.layout.block_size
         hidden = torch.arange(length)[None, :] > torch.tensor(positions, dtype=torch.long)[:, None]
         return cls(
@@ -179,6 +188,7 @@ class DecodeGroup:
             kv_rows=storage.rows([b for t in tables for b in t]),
             blocks_per_seq=len(tables[0]),
             hidden=hidden[None, :, None, :],
+            mirror=mirror,
             first_row=rows[0] if list(rows) == list(range(rows[0], rows[0] + len(rows))) else None,
         )
 
@@ -230,6 +240,9 @@ def paged_attention(
     slots, then attend every sequence's queries (``query``: ``[T, heads, head_dim]``)
     over its keys. Returns ``[T, heads * head_dim]`` (zeros on padding rows)."""
     batch.storage.write(layer, batch.slots, key, value)
+    for mirror in [*(s.mirror for s in batch.sequences), *(g.mirror for g in batch.decode_groups)]:
+        if mirror is not None:
+            mirror.update(layer, key, value)
     out = query.new_zeros((query.shape[0], query.shape[1] * query.shape[2]))
     for group in batch.decode_groups:
         _attend_decodes(layer, query, batch.storage, group, scale, out)
@@ -250,8 +263,11 @@ def _attend_decodes(
     groups = heads // kv_heads
     n = group.rows.numel()
     length = group.blocks_per_seq * storage.layout.block_size
-    keys, values = storage.gather(layer, group.kv_rows)
-    keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
+    if group.mirror is not None:
+        keys, values = (t.unsqueeze(1) for t in group.mirror.kv(layer))
+    else:
+        keys, values = storage.gather(layer, group.kv_rows)
+        keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
     if not group.queries:
         group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
     q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
@@ -275,7 +291,7 @@ def _attend_sequence(
     kv_heads, head_dim = storage.layout.kv_heads, storage.layout.head_dim
     heads = query.shape[1]
     group = heads // kv_heads
-    keys, values = storage.gather(layer, seq.kv_rows)
+    keys, values = seq.mirror.kv(layer) if seq.mirror is not None else storage.gather(layer, seq.kv_rows)
     q_all = query[seq.row : seq.row + seq.num_tokens] * scale
     for cs in range(0, seq.num_tokens, Q_CHUNK):
         ce = min(seq.num_tokens, cs + Q_CHUNK)

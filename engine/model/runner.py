@@ -41,6 +41,7 @@ from engine.model.attention import (
     SequenceSlice,
     padded_length,
 )
+from engine.model.kv_mirror import KVMirrors, MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
@@ -73,6 +74,10 @@ class SequenceInput:
     """A compressed request's tokens (``block_ids`` unused): they attend its packed pages
     (:mod:`engine.model.packed_attention`), which have room for them; one token is a
     decode, more a prefill chunk (``capture`` applies to it)."""
+    mirror: str | None = None
+    """The request's id when its K/V at a position depend only on its tokens up to
+    there (exact, not assembled from modules): a long one is then read from its mirror
+    (:mod:`engine.model.kv_mirror`); None: always gathered."""
     joins: bool = False
     """Attended as one slice with the previous sequence (the same request and block
     table, later positions, which did not sample): a segmented request's runs, whose
@@ -89,18 +94,23 @@ class _Joined:
     block_ids: Sequence[int]
     capture: AttentionCapture | None
     sample: bool
+    mirror: str | None = None
 
 
 class ModelRunner:
     """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
     def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None,
-                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None, mirror_bytes: int = 0) -> None:
         """``q4_layers``: the model's projections as Q4_1 blocks (the Llama forward then
-        multiplies with them; ValueError for another forward)."""
+        multiplies with them; ValueError for another forward). ``mirror_bytes``: the
+        budget of :attr:`mirrors`."""
         attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
+        self.mirrors = KVMirrors(storage, mirror_bytes)
+        """Long requests' K/V, contiguous (:mod:`engine.model.kv_mirror`); the engine
+        forgets a request's mirror when it finishes or is preempted."""
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
         self._linears: linear.TiledLinears | None = None
@@ -125,6 +135,8 @@ class ModelRunner:
         slots: list[int] = []
         slices: list[SequenceSlice] = []
         decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
+        groups: list[DecodeGroup] = []
+        mirrors: list[MirrorUse] = []
         logit_rows: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
@@ -139,12 +151,19 @@ class ModelRunner:
             row, n, start, end = joined.row, len(joined.positions), joined.positions[0], joined.positions[-1] + 1
             used = -(-end // bs)
             table = [*joined.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
-            if n == 1:
+            spread = joined.positions[-1] - start + 1 != n
+            mirror = (None if joined.mirror is None or spread else
+                      self.mirrors.use(joined.mirror, joined.block_ids, row, start, end, len(table) * bs))
+            if mirror is not None:
+                mirrors.append(mirror)
+            if n == 1 and mirror is not None:
+                groups.append(DecodeGroup.build([row], [start], [table], storage, mirror))
+            elif n == 1:
                 decodes.setdefault(len(table), []).append((row, start, table))
             else:
-                spread = joined.positions[-1] - start + 1 != n
                 slices.append(SequenceSlice(row, n, start, storage.rows(table), capture=joined.capture,
-                                            positions=torch.tensor(joined.positions) if spread else None))
+                                            positions=torch.tensor(joined.positions) if spread else None,
+                                            mirror=mirror))
             if joined.sample:
                 logit_rows.append(row + n - 1)
 
@@ -162,6 +181,7 @@ class ModelRunner:
                 slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
                 joined.positions.extend(range(seq.start, end))
                 joined.sample = seq.sample
+                joined.mirror = None
                 continue
             close()
             joined = None
@@ -181,9 +201,9 @@ class ModelRunner:
                     logit_rows.append(row + n - 1)
                 continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
-            joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample)
+            joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample, seq.mirror)
         close()
-        groups = [
+        groups += [
             DecodeGroup.build([r for r, _, _ in members], [p for _, p, _ in members],
                               [t for _, _, t in members], storage)
             for members in decodes.values()
@@ -218,6 +238,8 @@ class ModelRunner:
                     )
                 logits = out.logits[0]
             self.prompt_logits = [None if at is None else logits[at[0] : at[1]] for at in prompt_at]
+            for mirror in mirrors:
+                mirror.done()
             if batch.packed is not None:
                 batch.packed.advance()
             for chunk in packed_chunks:
