@@ -76,9 +76,11 @@ class _Layer:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm``: normalised in float32, rounded to the model dtype,
-    then scaled (torch's fused ``rms_norm`` computes the same bits as transformers'
-    pow/mean/rsqrt/mul, per row, in a third of the ops)."""
-    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps).to(x.dtype)
+    then scaled. torch's ``rms_norm`` without a weight is that first part for a
+    bfloat16 ``x`` (it upcasts, computes transformers' pow/mean/rsqrt/mul in float32 and
+    rounds back: the same bits, per row, in a third of the ops); the weight is applied
+    after the rounding, as transformers does."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -175,12 +177,11 @@ class LlamaForward:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's queries, keys (RoPE applied) and values of ``hidden``'s rows."""
         qk_heads = self.num_heads + self.kv_heads
-        rows = hidden.shape[0]
         qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, self.eps))
+        qkv = qkv.view(hidden.shape[0], qk_heads + self.kv_heads, self.head_dim)
         # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
-        qk = _rope(qkv[:, : qk_heads * self.head_dim].view(rows, qk_heads, self.head_dim), cos, signed_sin)
-        v = qkv[:, qk_heads * self.head_dim :].view(rows, self.kv_heads, self.head_dim)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        qk = _rope(qkv[:, :qk_heads], cos, signed_sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
 
     def _layer(self, i: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                batch: AttentionBatch) -> None:
@@ -188,8 +189,9 @@ class LlamaForward:
         q, k, v = self._qkv(layer, hidden, cos, signed_sin)
         hidden.add_(layer.o(paged_attention(i, q, k, v, batch, self.scale)))
         x = _rms_norm(hidden, layer.post_norm, self.eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
+        gate_up = layer.gate_up(x)
+        half = gate_up.shape[1] // 2
+        hidden.add_(layer.down(torch.mul(F.silu(gate_up[:, :half], inplace=True), gate_up[:, half:])))
 
     @torch.inference_mode()
     def probe(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

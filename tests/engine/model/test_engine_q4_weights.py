@@ -60,3 +60,32 @@ def test_q4_blocks_dequantize_to_the_converted_checkpoint():
     for i, layer in enumerate(layers):
         for key, name in names.items():
             assert torch.equal(layer[key].dequantize(), state[f"model.layers.{i}.{name}.weight"]), (i, key)
+
+
+@pytest.mark.real_model
+def test_fused_projections_give_each_column_the_separate_products_bits():
+    """The Llama forward multiplies by ``[q; k; v]`` and ``[gate; up]`` in one call each:
+    on the bundled model's weights, dense bfloat16 (packed) and 4-bit, every column of the
+    fused product has the bits of its own matrix's product, at decode row counts and in
+    a prefill's tiles."""
+    from safetensors.torch import load_file
+
+    from engine.model.linear import PackedLinear
+    from engine.model_store import ensure_converted_model
+
+    layers = read_q4_layers(gguf_file(None))
+    state = {}
+    for path in ensure_converted_model().glob("*.safetensors"):
+        state.update(load_file(str(path)))
+    groups = {("q", "k", "v"): "self_attn.{}_proj", ("gate", "up"): "mlp.{}_proj"}
+    x = torch.randn((3 * ROW_TILE, 576), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.inference_mode():
+        for i in (0, 29):
+            for keys, name in groups.items():
+                dense = [state[f"model.layers.{i}.{name.format(k)}.weight"].to(torch.bfloat16) for k in keys]
+                pairs = [(PackedLinear(torch.cat(dense)), [PackedLinear(w) for w in dense]),
+                         (Int4Linear(Q4Matrix.cat([layers[i][k] for k in keys])), [Int4Linear(layers[i][k]) for k in keys])]
+                for fused, separate in pairs:
+                    for rows in (1, 4, 8, 16, ROW_TILE, 3 * ROW_TILE):
+                        assert torch.equal(fused(x[:rows]), torch.cat([p(x[:rows]) for p in separate], dim=-1)), (
+                            i, keys, type(fused).__name__, rows)
