@@ -31,15 +31,20 @@ def check_mirrors(runner, key, table):
     """Every valid position of ``key``'s mirror equals the pool's K/V."""
     entry = runner.mirrors._entries[key]
     storage = runner.storage
+    layers = storage.layout.num_layers
+    keys, values = entry.view(entry.buf_keys, layers), entry.view(entry.buf_values, layers)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     slots = torch.tensor(storage.slot_ids(table, 0, entry.valid))
-    for layer in range(storage.layout.num_layers):
+    for layer in range(layers):
         k, v = storage.read(layer, slots)
-        assert torch.equal(entry.keys[layer, :, : entry.valid], k.transpose(0, 1))
-        assert torch.equal(entry.values[layer, :, : entry.valid], v.transpose(0, 1))
+        assert torch.equal(keys[layer, :, : entry.valid], k.transpose(0, 1))
+        assert torch.equal(values[layer, :, : entry.valid], v.transpose(0, 1))
 
 
-def test_mirrored_forwards_give_the_gathered_bits(make_tiny_engine, monkeypatch):
+@pytest.mark.parametrize("headroom", [0, 1024])  # 0: every growth moves to a new buffer; else stretched in place
+def test_mirrored_forwards_give_the_gathered_bits(make_tiny_engine, monkeypatch, headroom):
     monkeypatch.setattr(kv_mirror, "MIN_TOKENS", 64)
+    monkeypatch.setattr(kv_mirror, "HEADROOM", headroom)
     engine = make_tiny_engine()
     runner = engine.runner
     ids = prompt_of(200)
@@ -70,7 +75,7 @@ def test_mirrored_forwards_give_the_gathered_bits(make_tiny_engine, monkeypatch)
 def test_the_budget_bounds_the_mirrors_least_recently_used_first():
     layout = KVLayout(num_layers=2, kv_heads=1, head_dim=4, block_size=16, dtype=torch.float32)
     storage = KVStorage(layout, 400)
-    one = 2 * 2 * 1 * kv_mirror.MIN_TOKENS * 4 * 4  # a mirror of MIN_TOKENS positions
+    one = 2 * 2 * 1 * (kv_mirror.MIN_TOKENS + kv_mirror.HEADROOM) * 4 * 4  # a new buffer for MIN_TOKENS positions
     mirrors = KVMirrors(storage, 2 * one)
     table = list(range(kv_mirror.MIN_TOKENS // 16))
     n = kv_mirror.MIN_TOKENS
@@ -79,8 +84,12 @@ def test_the_budget_bounds_the_mirrors_least_recently_used_first():
     assert mirrors.use("a", table, 0, n - 1, n, n) is not None  # "a" used last
     assert mirrors.use("c", table, 0, 0, n, n) is not None
     assert set(mirrors._entries) == {"a", "c"} and mirrors.nbytes <= mirrors.budget_bytes
-    assert mirrors.use("d", table * 3, 0, 0, 3 * n, 3 * n) is None  # larger than the budget
+    assert mirrors.use("d", table * 4, 0, 0, 4 * n, 4 * n) is None  # larger than the budget
     assert mirrors.use("e", table, 0, 0, n // 2, n // 2) is None  # short: gathered
+    assert set(mirrors._entries) == {"a", "c"}
+    mirrors.forget("a")  # its buffer is kept and taken by the next mirror
+    held = mirrors.nbytes
+    assert mirrors.use("f", table, 0, 0, n, n) is not None and mirrors.nbytes == held
     with pytest.raises(ValueError, match="-1"):
         KVMirrors(storage, -1)
 
