@@ -117,7 +117,12 @@ class MirrorUse:
         forward's K/V were written to the pool; ``key``/``value``: the batch's new
         ``[rows, kv_heads, head_dim]``)."""
         s, t = self._start, self._end
-        if self._fill_rows is not None:  # whole blocks from the one holding fill_from
+        if self._fill_rows is not None and self._fill_from == 0:  # the whole (padded) table: gathered in place
+            lay = self._storage.layout
+            for mirror, pool in ((self._keys, self._storage.keys), (self._values, self._storage.values)):
+                out = mirror[layer].view(-1, lay.block_size, lay.head_dim)
+                torch.index_select(pool[layer].view(-1, lay.block_size, lay.head_dim), 0, self._fill_rows, out=out)
+        elif self._fill_rows is not None:  # whole blocks from the one holding fill_from
             bs = self._storage.layout.block_size
             skip = self._fill_from % bs
             k, v = self._storage.gather(layer, self._fill_rows)
@@ -188,7 +193,13 @@ class KVMirrors:
         while self._spare and self.nbytes > self.budget_bytes:  # the buffer it left
             self._spare.pop(0)
         fill_from = min(entry.valid, start)
-        fill_rows = (self.storage.rows(block_ids[fill_from // bs : -(-start // bs)]) if fill_from < start else None)
+        if fill_from == 0 < start:  # a new mirror: the padded table, as attention would gather it
+            used = -(-end // bs)
+            fill_rows = self.storage.rows([*block_ids[:used], *[self.storage.pad_block] * (length // bs - used)])
+        elif fill_from < start:
+            fill_rows = self.storage.rows(block_ids[fill_from // bs : -(-start // bs)])
+        else:
+            fill_rows = None
         entry.blocks = tuple(block_ids[: -(-end // bs)])
         return MirrorUse(entry, self.storage, fill_rows, fill_from, row, start, end)
 
