@@ -13,7 +13,7 @@ times the marginal time of a short-context token, fitted from ``n=64`` and ``n=5
 at ``ctx=0``), and the implied cost per token past the forward's fixed part.
 Compare on a quiet machine; the load average is printed before and after.
 
-Usage: .venv/bin/python benchmarks/forward_costs.py [--threads N] [--reps 5] [--max-context 7500]
+Usage: .venv/bin/python benchmarks/forward_costs.py [--threads N] [--reps 5] [--max-context 7500] [--mirror]
 Example: .venv/bin/python benchmarks/forward_costs.py --reps 5
 Writes benchmarks/results/forward_costs.json.
 """
@@ -49,12 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=5, help="forwards per (context, chunk) pair (default: 5)")
     parser.add_argument("--max-context", type=int, default=7500, help="the longest cached context (default: 7500)")
+    parser.add_argument("--mirror", action="store_true",
+                        help="read the sequence's K/V from a KV mirror (engine/model/kv_mirror.py), as the engine "
+                        "does for a long exact request, instead of gathering them each forward")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.max_context < 1024:
         parser.error("--reps must be >= 1 and --max-context >= 1024")
     engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=0.5, seed=0, num_threads=args.threads,
                                            max_model_len=args.max_context + 1024))
     rng = random.Random(0)
+    mirror = "forward-costs" if args.mirror else None
     block_size = engine.kv_cache_manager.block_size
     blocks = list(range(-(-(args.max_context + 1024) // block_size)))
     if len(blocks) > engine.storage.num_blocks:
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.reps):
             tokens = ids(n)
             start = time.perf_counter()
-            engine.call(lambda t=tokens: engine.runner.execute([SequenceInput(t, ctx, blocks, True)]))
+            engine.call(lambda t=tokens: engine.runner.execute([SequenceInput(t, ctx, blocks, True, mirror=mirror)]))
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e3, min(times) * 1e3
 
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                      "cost_per_token": cost / n, "measured_per_token": implied})
         print(f"{ctx:>8} {n:>5} {median:>10.1f} {low:>8.1f} {model:>9.1f} {cost / n:>11.2f} {implied:>15.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"benchmark": "forward_costs", "threads": threads, "reps": args.reps,
+    RESULTS.write_text(json.dumps({"benchmark": "forward_costs", "threads": threads, "mirror": args.mirror, "reps": args.reps,
                                    "load_before": load_before, "load_after": os.getloadavg()[0],
                                    "fixed_ms": fixed, "short_token_ms": per_token,
                                    "context_cost_tokens": CONTEXT_COST_TOKENS,
