@@ -231,7 +231,3 @@ class KVMirrors:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._spare.append(entry)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._spare.clear()
