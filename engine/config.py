@@ -80,8 +80,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}")
-        if not isinstance(self.kv_mirror_memory_gib, int | float) or not self.kv_mirror_memory_gib >= 0:
-            raise ValueError(f"kv_mirror_memory_gib must be >= 0, got {self.kv_mirror_memory_gib!r}")
+        if (not isinstance(self.kv_mirror_memory_gib, int | float) or isinstance(self.kv_mirror_memory_gib, bool)
+                or not 0 <= self.kv_mirror_memory_gib < float("inf")):
+            raise ValueError(f"kv_mirror_memory_gib must be a finite number >= 0, got {self.kv_mirror_memory_gib!r}")
         if not isinstance(self.encoder_cache_memory_gib, int | float) or self.encoder_cache_memory_gib < 0:
             raise ValueError(f"encoder_cache_memory_gib must be >= 0, got {self.encoder_cache_memory_gib!r}")
         if self.max_model_len is not None and (

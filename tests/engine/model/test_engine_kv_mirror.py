@@ -131,3 +131,20 @@ def test_mirrors_keep_the_real_models_greedy_tokens(real_engine):
     assert real_engine.runner.mirrors.budget_bytes > 0
     assert generate(real_engine, prompts) == expected  # batched, mirrored
     assert generate(real_engine, prompts[:1]) == expected[:1]  # warm prefix, mirrored from the pool
+
+
+@pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "1"])
+def test_the_mirror_budget_must_be_a_finite_number_of_gib(bad):
+    with pytest.raises(ValueError, match="kv_mirror_memory_gib"):
+        EngineConfig(kv_mirror_memory_gib=bad)
+
+
+@pytest.mark.parametrize("bad", ["-1", "inf", "nan", "abc"])
+def test_the_cli_refuses_a_bad_mirror_budget_in_one_line(bad, capsys):
+    from gateway.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["engine", "--kv-mirror-memory", bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-mirror-memory" in err and "Traceback" not in err
