@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -61,14 +62,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "multimodal"))
 from servers import free_port, wait_healthy  # noqa: E402
-
-from engine.config import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "tenant_pressure.json"
 TENANT_HEADER = "x-prefixgate-tenant"
@@ -144,23 +144,33 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p50_ms": statistics.median(ordered) * 1000, "p99_ms": p99 * 1000}
 
 
-async def quiet_requests(url: str, count: int, headers: dict[str, str], stop: asyncio.Event | None = None,
-                         model: str | None = None) -> list[float]:
-    """Sequential one-token chats (naming ``model`` when given); seconds each (only 200s count)."""
+async def quiet_requests(client: httpx.AsyncClient, count: int, stop: asyncio.Event | None = None,
+                         model: str | None = None, computed: list[int] | None = None) -> list[float]:
+    """Up to ``count`` one-token chats in sequence on ``client`` (its base URL and the
+    quiet tenant's headers), each timed to its whole answer; stops early at ``stop``.
+    Appends to ``computed`` the prompt tokens each answer's usage says were not cached."""
     out: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
-        for i in range(count):
-            if stop is not None and stop.is_set():
-                break
-            body: dict[str, Any] = {"max_tokens": 1, "temperature": 0,
-                                    "messages": [{"role": "user", "content": f"Quiet question number {i}: say hi"}]}
-            if model is not None:
-                body["model"] = model
-            start = time.perf_counter()
-            response = await client.post("/v1/chat/completions", json=body)
-            if response.status_code == 200:
-                out.append(time.perf_counter() - start)
+    for i in range(count):
+        if stop is not None and stop.is_set():
+            break
+        body: dict[str, Any] = {"max_tokens": 1, "temperature": 0,
+                                "messages": [{"role": "user", "content": f"Quiet question number {i}: say hi"}]}
+        if model is not None:
+            body["model"] = model
+        start = time.perf_counter()
+        response = await client.post("/v1/chat/completions", json=body)
+        if response.status_code == 200:
+            out.append(time.perf_counter() - start)
+            if computed is not None:
+                usage = response.json()["usage"]
+                computed.append(usage["prompt_tokens"] - (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0))
     return out
+
+
+async def warm_up(url: str, headers: dict[str, str], model: str | None = None) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
+        await quiet_requests(client, 3, model=model)
 
 
 # --------------------------------------------------------------------------- prefill
@@ -176,9 +186,13 @@ class Target:
     engine_key: str
     model: str
 
+    poller: httpx.Client
+    """For the engine's metrics, made once: each new httpx client costs ~20 ms of CPU
+    (its TLS context), which polling every 50 ms would take from the engine measured."""
+
     def engine_gauge(self, name: str) -> float:
-        text = httpx.get(self.engine_url + "/metrics", headers={"authorization": f"Bearer {self.engine_key}"},
-                         timeout=30).text
+        text = self.poller.get(self.engine_url + "/metrics", headers={"authorization": f"Bearer {self.engine_key}"},
+                               timeout=30).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(f"prefixgate_engine_{name}"))
 
@@ -204,16 +218,18 @@ def prefill_target(args: argparse.Namespace, workdir: Path, root: Path) -> Itera
     if args.threads:
         flags += ["--threads", str(args.threads)]
     key = secrets.token_urlsafe(24)
-    with engine(*flags, log=workdir / f"engine-prefill-{root.name}.log", root=root, key=key) as (engine_url, _):
-        model = httpx.get(engine_url + "/health", timeout=30).json()["model"]
+    with engine(*flags, log=workdir / f"engine-prefill-{root.name}.log", root=root, key=key) as (engine_url, _), \
+            httpx.Client() as poller:
+        model = poller.get(engine_url + "/health", timeout=30).json()["model"]
         if args.via == "engine":
             yield Target(engine_url, {t: {"authorization": f"Bearer {key}", TENANT_HEADER: t} for t in TENANTS},
-                         engine_url, key, model)
+                         engine_url, key, model, poller)
             return
         tenant_keys = {t: f"tenant-pressure-{t}-{secrets.token_urlsafe(16)}" for t in TENANTS}
         with gateway(engine_url, key, tenant_keys, workdir / f"gateway-{root.name}",
                      workdir / f"gateway-{root.name}.log", root) as url:
-            yield Target(url, {t: {"authorization": f"Bearer {k}"} for t, k in tenant_keys.items()}, engine_url, key, model)
+            yield Target(url, {t: {"authorization": f"Bearer {k}"} for t, k in tenant_keys.items()}, engine_url, key, model,
+                         poller)
 
 
 def heavy_prompt(tokens: int, k: int) -> list[int]:
@@ -231,25 +247,29 @@ async def cold_prefill(target: Target, prompt: list[int]) -> float:
         return time.perf_counter() - start
 
 
-async def heavy_prompts(target: Target, prefix: list[int], new_tokens: int, streams: int, stop: asyncio.Event,
-                        first: int) -> int:
-    """Keep ``streams`` prompts in flight until ``stop`` (then cancel those in flight):
-    ``prefix`` (cached by the cold prefill) then ``new_tokens`` distinct ones, so each
-    computes ``new_tokens`` at long context. Returns how many were answered."""
+async def heavy_prompts(target: Target, clients: list[httpx.AsyncClient], prefix: list[int], new_tokens: int,
+                        stop: asyncio.Event, first: int) -> int:
+    """Keep one prompt in flight per client until ``stop`` (then cancel those in
+    flight): ``prefix`` (cached by the cold prefill) then ``new_tokens`` distinct ones,
+    so each computes ``new_tokens`` at long context. Returns how many were answered.
+
+    The clients are made once (an httpx client's TLS context costs tens of ms of CPU)
+    and bodies are encoded with orjson: on a 2-core machine the load generator's own
+    CPU at a window's start would otherwise slow the engine's forwards it measures."""
     done = 0
 
-    async def one_stream(k: int) -> None:
+    async def one_stream(k: int, client: httpx.AsyncClient) -> None:
         nonlocal done
-        async with httpx.AsyncClient(base_url=target.url, timeout=3600, headers=target.headers["heavy"]) as client:
-            n = 0
-            while not stop.is_set():
-                prompt = prefix + heavy_prompt(new_tokens, first + k * 100_000 + n)  # never a hit past the prefix
-                n += 1
-                response = await client.post("/v1/completions",
-                                             json={"model": target.model, "prompt": prompt, "max_tokens": 1})
-                done += response.status_code == 200
+        n = 0
+        while not stop.is_set():
+            prompt = prefix + heavy_prompt(new_tokens, first + k * 100_000 + n)  # never a hit past the prefix
+            n += 1
+            body = orjson.dumps({"model": target.model, "prompt": prompt, "max_tokens": 1})
+            response = await client.post("/v1/completions", content=body,
+                                         headers={"content-type": "application/json"})
+            done += response.status_code == 200
 
-    tasks = [asyncio.create_task(one_stream(k)) for k in range(streams)]
+    tasks = [asyncio.create_task(one_stream(k, client)) for k, client in enumerate(clients)]
     await stop.wait()
     for task in tasks:
         task.cancel()
@@ -263,31 +283,46 @@ async def alternate(target: Target, args: argparse.Namespace, prefix: list[int])
     ``--quiet-per-window`` quiet requests: both phases see the same background load."""
     idle: list[float] = []
     loaded: list[float] = []
-    answered, loaded_s, heavy_blocks = 0, 0.0, 0.0
-    quiet = target.headers["quiet"]
+    answered, loaded_s, computed_loaded = 0, 0.0, 0.0
+    quiet = httpx.AsyncClient(base_url=target.url, timeout=600, headers=target.headers["quiet"])
+    clients = [httpx.AsyncClient(base_url=target.url, timeout=3600, headers=target.headers["heavy"])
+               for _ in range(args.heavy_streams)]
+    computed = functools.partial(asyncio.to_thread, target.engine_gauge, "prompt_tokens_computed")
+    # the heavy tenant alone first: its prompt tokens computed per second with nobody else
+    await target.idle()
+    stop = asyncio.Event()
+    heavy = asyncio.create_task(heavy_prompts(target, clients, prefix, args.heavy_new_tokens, stop, 0))
+    await target.until(lambda: target.engine_gauge("requests_running") >= 1, "a heavy prompt running")
+    before, start = await computed(), time.perf_counter()
+    await asyncio.sleep(args.heavy_alone_s)  # a measurement window, not a synchronisation
+    alone_rate = (await computed() - before) / (time.perf_counter() - start)
+    stop.set()
+    await heavy
     for r in range(args.rounds):
         await target.idle()
-        idle += await quiet_requests(target.url, args.quiet_per_window, quiet, model=target.model)
+        idle += await quiet_requests(quiet, args.quiet_per_window, model=target.model)
         stop = asyncio.Event()
-        heavy = asyncio.create_task(heavy_prompts(target, prefix, args.heavy_new_tokens, args.heavy_streams, stop,
-                                                  1 + r * 1000))
+        heavy = asyncio.create_task(heavy_prompts(target, clients, prefix, args.heavy_new_tokens, stop, 1 + r * 1000))
         # one heavy prompt admitted (more wait for the quiet tenant's window to pass: the quiet
         # requests would then start without it active)
         await target.until(lambda: target.engine_gauge("requests_running") >= 1, "a heavy prompt running")
-        blocks = await asyncio.to_thread(target.engine_gauge, "kv_blocks_used")
-        start = time.perf_counter()
-        loaded += await quiet_requests(target.url, args.quiet_per_window, quiet, model=target.model)
+        quiet_computed: list[int] = []
+        before, start = await computed(), time.perf_counter()
+        loaded += await quiet_requests(quiet, args.quiet_per_window, model=target.model, computed=quiet_computed)
         loaded_s += time.perf_counter() - start
-        heavy_blocks += await asyncio.to_thread(target.engine_gauge, "kv_blocks_used") - blocks
+        computed_loaded += await computed() - before - sum(quiet_computed)
         stop.set()
         answered += await heavy
         print(f"round {r + 1}/{args.rounds}: idle p50 {statistics.median(idle) * 1000:.0f} ms, loaded p50 "
               f"{statistics.median(loaded) * 1000:.0f} ms, load {os.getloadavg()[0]:.1f}", flush=True)
-    # the heavy prompts' new tokens computed while loaded, from the KV blocks they came to hold
-    # (the engine's default block size; the quiet tenant holds none between its requests)
-    heavy_tokens = heavy_blocks * DEFAULT_BLOCK_SIZE + answered * args.heavy_new_tokens
+    for client in [quiet, *clients]:
+        await client.aclose()
+    # engines without the counter (an older --before-root) report no rate
+    has_counter = alone_rate > 0
     return {"idle": percentiles(idle), "loaded": percentiles(loaded), "heavy_answered_while_loaded": answered,
-            "loaded_seconds": loaded_s, "heavy_tokens_per_s_while_loaded": heavy_tokens / loaded_s}
+            "loaded_seconds": loaded_s,
+            "heavy_tokens_per_s_alone": alone_rate if has_counter else None,
+            "heavy_tokens_per_s_while_loaded": computed_loaded / loaded_s if has_counter else None}
 
 
 def case_prefill(args: argparse.Namespace, workdir: Path, root: Path) -> dict[str, Any]:
@@ -298,7 +333,7 @@ def case_prefill(args: argparse.Namespace, workdir: Path, root: Path) -> dict[st
     cold = heavy_prompt(args.heavy_tokens, 0)
     with prefill_target(args, workdir, root) as target:
         cold_s = asyncio.run(cold_prefill(target, cold))
-        asyncio.run(quiet_requests(target.url, 3, target.headers["quiet"], model=target.model))  # warm-up
+        asyncio.run(warm_up(target.url, target.headers["quiet"], target.model))
         prefix = cold[: args.heavy_tokens - args.heavy_new_tokens]
         result = asyncio.run(alternate(target, args, prefix))
     result.update({"root": str(root), "via": args.via, "cold_prefill_s": cold_s})
@@ -352,7 +387,7 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if args.max_image_pixels:
         flags += ["--max-image-pixels-in-flight", str(args.max_image_pixels)]
     with engine(*flags, log=workdir / "engine-images.log", root=args.engine_root) as (url, pid):
-        asyncio.run(quiet_requests(url, 3, {TENANT_HEADER: "quiet"}))
+        asyncio.run(warm_up(url, {TENANT_HEADER: "quiet"}))
         idle_rss = rss_mib(pid)
         peak = [idle_rss]
         done = threading.Event()
@@ -368,12 +403,13 @@ def case_images(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         async def both() -> tuple[list[int], list[float], float]:
             stop = asyncio.Event()
-            quiet = asyncio.create_task(quiet_requests(url, 100_000, {TENANT_HEADER: "quiet"}, stop))
-            start = time.perf_counter()
-            statuses = await image_requests(url, urls, args.image_requests, per_request)
-            elapsed = time.perf_counter() - start
-            stop.set()
-            return statuses, await quiet, elapsed
+            async with httpx.AsyncClient(base_url=url, timeout=600, headers={TENANT_HEADER: "quiet"}) as client:
+                quiet = asyncio.create_task(quiet_requests(client, 100_000, stop))
+                start = time.perf_counter()
+                statuses = await image_requests(url, urls, args.image_requests, per_request)
+                elapsed = time.perf_counter() - start
+                stop.set()
+                return statuses, await quiet, elapsed
 
         statuses, quiet, elapsed = asyncio.run(both())
         done.set()
@@ -402,6 +438,8 @@ def main() -> int:
     parser.add_argument("--before-root", type=Path, default=None,
                         help="prefill case: first on this checkout (engine and gateway): a before/after in one run")
     parser.add_argument("--heavy-streams", type=int, default=2)
+    parser.add_argument("--heavy-alone-s", type=float, default=5.0,
+                        help="prefill case: seconds of the heavy tenant alone (its prompt tokens/s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--image-requests", type=int, default=4)
@@ -439,8 +477,11 @@ def print_table(r: dict[str, Any]) -> None:
               f"cached + {r['args']['heavy_new_tokens']} new, {r['args']['heavy_streams']} in flight; budget "
               f"{r['args']['max_num_batched_tokens']} tokens/step), {r['args']['rounds']} alternating rounds")
         print(f"  cold {r['args']['heavy_tokens']}-token prefill alone {p['cold_prefill_s']:.1f} s; heavy prompts "
-              f"answered while loaded {p['heavy_answered_while_loaded']} in {p['loaded_seconds']:.0f} s "
-              f"(heavy tokens computed while loaded: ~{p['heavy_tokens_per_s_while_loaded']:.0f}/s)")
+              f"answered while loaded {p['heavy_answered_while_loaded']} in {p['loaded_seconds']:.0f} s")
+        if p.get("heavy_tokens_per_s_alone") is not None:
+            print(f"  heavy tenant's prompt tokens computed: {p['heavy_tokens_per_s_alone']:.0f}/s alone, "
+                  f"{p['heavy_tokens_per_s_while_loaded']:.0f}/s while the quiet tenant sends "
+                  f"({p['heavy_tokens_per_s_while_loaded'] / p['heavy_tokens_per_s_alone']:.2f}x)")
         print(f"  {'phase':<10} {'n':>4} {'p50 ms':>10} {'p99 ms':>10} {'p99/idle p99':>13}")
         for name in ("idle", "loaded"):
             row = p[name]

@@ -30,6 +30,11 @@ class EngineStats:
     num_preemptions: int
     ttft_count: int
     ttft_sum_s: float
+    prompt_tokens_computed: int = 0
+    """Prompt tokens run through the model (prefix-cache hits and reused module tokens
+    not counted; a preempted request's recomputed tokens counted again)."""
+    generation_tokens: int = 0
+    """Tokens sampled (one per sampling row: a request's every generated token)."""
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     encoder_cache_entries: int = 0

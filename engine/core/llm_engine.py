@@ -164,6 +164,8 @@ class LLMEngine:
         self._num_finished = 0
         self._finish_counts: dict[str, int] = {}
         self._ttft = (0, 0.0)
+        self._prompt_tokens_computed = 0
+        self._generation_tokens = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -286,6 +288,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             ttft_count=self._ttft[0],
             ttft_sum_s=self._ttft[1],
+            prompt_tokens_computed=self._prompt_tokens_computed,
+            generation_tokens=self._generation_tokens,
             module_blocks=self.scheduler.modules.num_module_blocks,
             module_tokens_reused=self.scheduler.modules.module_tokens_reused,
             module_tokens_encoded=self.scheduler.modules.module_tokens_encoded,
@@ -465,8 +469,10 @@ class LLMEngine:
             return
         row = 0
         for s in work.scheduled:
+            self._prompt_tokens_computed += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
             s.request.advance(s.end)
             if s.samples:
+                self._generation_tokens += 1  # before the token reaches its consumer
                 self._sample(s.request, logits[row])
                 row += 1
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies

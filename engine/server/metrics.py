@@ -13,6 +13,11 @@ Exposed series (all labelled ``model_name``):
 * ``prefixgate_engine_prefix_cache_evictions_total``: cached blocks reused for new data;
 * ``prefixgate_engine_kv_blocks_used`` / ``..._free`` / ``..._total``;
 * ``prefixgate_engine_requests_running`` / ``..._waiting``;
+* ``prefixgate_engine_prompt_tokens_computed_total``: prompt tokens run through the
+  model (what prefix-cache hits and reused modules saved is not counted; a
+  preempted request's are counted again when recomputed), and
+  ``..._generation_tokens_total``: tokens sampled. Their rates are the engine's
+  prefill and decode throughput;
 * ``prefixgate_engine_module_blocks`` (an engine whose model has rotary position
   embeddings): KV blocks holding prompt modules (issue 21),
   ``..._module_reused_tokens_total`` / ``..._module_encoded_tokens_total``: module
@@ -89,6 +94,9 @@ class _EngineCollector(Collector):
         yield _gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.num_blocks, labels)
         yield _gauge("requests_running", "Requests running in the engine.", stats.num_running, labels)
         yield _gauge("requests_waiting", "Requests waiting for admission.", stats.num_waiting, labels)
+        yield _counter("prompt_tokens_computed", "Prompt tokens run through the model (cache hits not counted).",
+                       getattr(stats, "prompt_tokens_computed", 0), labels)
+        yield _counter("generation_tokens", "Tokens sampled.", getattr(stats, "generation_tokens", 0), labels)
         if getattr(self.engine, "supports_images", False):
             yield _counter("encoder_cache_hits", "Image features found in the encoder cache.",
                            stats.encoder_cache_hits, labels)

@@ -222,3 +222,19 @@ def test_preempted_requests_finish_with_the_same_tokens(make_tiny_engine):
     wait_until_idle(engine)
     engine.kv_cache_manager.check_integrity()
     assert engine.kv_cache_manager.num_free_blocks == 12
+
+
+def test_computed_and_generated_token_counters(tiny_engine):
+    """``prompt_tokens_computed`` counts what ran through the model, not prefix-cache
+    hits; ``generation_tokens`` every sampled token."""
+    prompt = prompt_of(70)
+    before = tiny_engine.stats()
+    cold = run(tiny_engine, prompt, max_tokens=5, ignore_eos=True)
+    mid = tiny_engine.stats()
+    assert mid.prompt_tokens_computed - before.prompt_tokens_computed == 70
+    assert mid.generation_tokens - before.generation_tokens == len(tokens_of(cold)) == 5
+    warm = run(tiny_engine, prompt, max_tokens=3, ignore_eos=True)
+    after = tiny_engine.stats()
+    assert warm[-1].num_cached_tokens == 64  # four whole blocks of 16
+    assert after.prompt_tokens_computed - mid.prompt_tokens_computed == 70 - 64
+    assert after.generation_tokens - mid.generation_tokens == 3
