@@ -278,9 +278,11 @@ async def heavy_prompts(target: Target, clients: list[httpx.AsyncClient], prefix
 
 
 async def alternate(target: Target, args: argparse.Namespace, prefix: list[int]) -> dict[str, Any]:
-    """``--rounds`` rounds of an idle window (no other request in the engine) then a
-    loaded one (the heavy tenant's prompts admitted and computing), each window
-    ``--quiet-per-window`` quiet requests: both phases see the same background load."""
+    """The heavy tenant's prompts alone for ``--heavy-alone-s`` (its prompt tokens
+    computed per second, from the engine's counter), then ``--rounds`` rounds of an idle
+    window (no other request in the engine) then a loaded one (the heavy tenant's
+    prompts admitted and computing), each window ``--quiet-per-window`` quiet requests:
+    both phases see the same background load."""
     idle: list[float] = []
     loaded: list[float] = []
     answered, loaded_s, computed_loaded = 0, 0.0, 0.0
@@ -288,7 +290,8 @@ async def alternate(target: Target, args: argparse.Namespace, prefix: list[int])
     clients = [httpx.AsyncClient(base_url=target.url, timeout=3600, headers=target.headers["heavy"])
                for _ in range(args.heavy_streams)]
     computed = functools.partial(asyncio.to_thread, target.engine_gauge, "prompt_tokens_computed")
-    # the heavy tenant alone first: its prompt tokens computed per second with nobody else
+    # the heavy tenant alone first (before any quiet request: no other tenant active in
+    # the engine's fairness window), its prompt tokens computed per second
     await target.idle()
     stop = asyncio.Event()
     heavy = asyncio.create_task(heavy_prompts(target, clients, prefix, args.heavy_new_tokens, stop, 0))
@@ -298,6 +301,7 @@ async def alternate(target: Target, args: argparse.Namespace, prefix: list[int])
     alone_rate = (await computed() - before) / (time.perf_counter() - start)
     stop.set()
     await heavy
+    await warm_up(target.url, target.headers["quiet"], target.model)
     for r in range(args.rounds):
         await target.idle()
         idle += await quiet_requests(quiet, args.quiet_per_window, model=target.model)
@@ -327,13 +331,12 @@ async def alternate(target: Target, args: argparse.Namespace, prefix: list[int])
 
 def case_prefill(args: argparse.Namespace, workdir: Path, root: Path) -> dict[str, Any]:
     """One engine (the checkout ``root``), through its gateway unless ``--via engine``:
-    warm-up, a lone cold prefill of ``--heavy-tokens`` (timed: a lone long prompt's
-    throughput; it caches the heavy tenant's prefix), then idle and loaded windows
-    alternating (:func:`alternate`)."""
+    a lone cold prefill of ``--heavy-tokens`` (timed: a lone long prompt's throughput;
+    it caches the heavy tenant's prefix), then (:func:`alternate`) the heavy tenant
+    alone for ``--heavy-alone-s``, a warm-up, and idle and loaded windows alternating."""
     cold = heavy_prompt(args.heavy_tokens, 0)
     with prefill_target(args, workdir, root) as target:
         cold_s = asyncio.run(cold_prefill(target, cold))
-        asyncio.run(warm_up(target.url, target.headers["quiet"], target.model))
         prefix = cold[: args.heavy_tokens - args.heavy_new_tokens]
         result = asyncio.run(alternate(target, args, prefix))
     result.update({"root": str(root), "via": args.via, "cold_prefill_s": cold_s})
