@@ -20,6 +20,7 @@ thread, torch's threads unless ``--threads``):
    of the per-round mean step (wall and this thread's CPU time).
 
 Usage: .venv/bin/python benchmarks/compiled_layers.py [--rounds 15] [--steps 10] [--threads N] [--plain]
+       [--backend aoti|compile] [--weights dense|q4_1] [--speed-only]
 Example: .venv/bin/python benchmarks/compiled_layers.py --rounds 9
 Writes benchmarks/results/compiled_layers.json.
 """
@@ -32,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,8 @@ def _capture(engine: LLMEngine, fw: llama.LlamaForward, prompt: list[int]) -> di
         captured["hidden"].append(hidden.clone())
         layer_step(i, lay, hidden, *args)
 
-    llama.paged_attention, fw._layer = attention, layer  # type: ignore[method-assign]
+    llama.paged_attention = attention  # type: ignore[assignment]
+    fw._layer = layer  # type: ignore[method-assign,assignment]
     try:
         engine.runner.execute([SequenceInput(prompt, 0, list(range(64)), True)])
     finally:
@@ -169,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain", action="store_true", help="also check inductor's defaults' bits")
     parser.add_argument("--backend", choices=("compile", "aoti"), default="aoti",
                         help="torch.compile or AOTInductor (default: aoti)")
+    parser.add_argument("--weights", choices=("dense", "q4_1"), default="dense",
+                        help="the projections' weights (EngineConfig.weights; default: dense)")
     parser.add_argument("--speed-only", action="store_true", help="only the decode steps: no bits, no prefill")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be >= 1")
     load_before = os.getloadavg()[0]
-    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_gib=0.25, seed=0, num_threads=args.threads))
+    engine = LLMEngine.from_config(EngineConfig(kv_cache_memory_gib=0.25, seed=0, num_threads=args.threads,
+                                                weights=args.weights,
+                                                dtype="bfloat16" if args.weights == "q4_1" else "auto"))
     fw = engine.runner._llama
     if fw is None:
         parser.error("the model does not run the Llama forward")
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.layout.dtype)
     compiled = CompiledLayers(*dims, backend=args.backend)
     plain = CompiledLayers(*dims, exact=False, backend=args.backend) if args.plain else None
+    differ = compiled.check()
 
     switch = Switch(fw, compiled)
     engine.runner._llama = switch  # type: ignore[assignment]
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. compile cost: the first compiled call of each step (dynamo's graph count after each)
     counters = torch._dynamo.utils.counters
-    compile_rows = []
+    compile_rows: list[dict[str, Any]] = []
     switch.use_compiled = True
     for name in ("decode 1", "decode 8") if args.speed_only else ("decode 1", "decode 8", "mixed 40+7", "prefill 512"):
         before = counters["stats"]["unique_graphs"]
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                              "new_graphs": counters["stats"]["unique_graphs"] - before})
 
     # 2. bits per step: logits and the whole K/V storage, eager then compiled on the same input
-    step_rows = []
+    step_rows: list[dict[str, Any]] = []
     for name, seqs in () if args.speed_only else steps.items():
         out = {}
         for mode in (False, True):
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.runner.execute(seqs)
         return (time.perf_counter() - start) / args.steps * 1e3, (time.thread_time() - cpu) / args.steps * 1e3
 
-    speed_rows = []
+    speed_rows: list[dict[str, Any]] = []
     for name in ("decode 1", "decode 8"):
         samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for r in range(args.rounds):
@@ -254,33 +260,35 @@ def main(argv: list[str] | None = None) -> int:
                            "compiled_cpu_ms": comp_cpu, "ratio_cpu": comp_cpu / eager_cpu})
     load_after = os.getloadavg()[0]
 
-    print(f"threads={threads} load before {load_before:.2f} after {load_after:.2f}; "
-          f"sum lanes {compiled.lanes}; torch {torch.__version__}")
+    print(f"weights={args.weights} backend={args.backend} threads={threads} load before {load_before:.2f} "
+          f"after {load_after:.2f}; sum lanes {compiled.lanes}; torch {torch.__version__}")
+    print(f"CompiledLayers.check (random probes, 1/3/8/40 rows): {', '.join(differ) or 'every kernel exact'}")
     print("\nbits per kernel (real hidden states, layers " + ", ".join(map(str, LAYERS)) + ")")
     print(f"{'kernels':>9} {'rows':>5} {'op':>9} {'equal':>6} {'differ':>14} {'max abs':>8}")
     for b in bits:
         print(f"{b['kernels']:>9} {b['rows']:>5} {b['op']:>9} {b['equal']!s:>6} "
               f"{b['elements_differ']:>7}/{b['numel']:<7} {b['max_abs']:>8.3g}")
     print("\nbits per step (eager vs compiled, same input)")
-    for s in step_rows:
-        print(f"  {s['step']:<12} logits {s['logits_equal']!s:<5} keys {s['keys_equal']!s:<5} "
-              f"values {s['values_equal']!s:<5} (max abs {s['logits_max_abs']:.3g})")
+    for row in step_rows:
+        print(f"  {row['step']:<12} logits {row['logits_equal']!s:<5} keys {row['keys_equal']!s:<5} "
+              f"values {row['values_equal']!s:<5} (max abs {row['logits_max_abs']:.3g})")
     print("\ncompile cost (first compiled call of each step, then the second)")
-    for c in compile_rows:
-        print(f"  {c['step']:<12} first {c['first_call_s']:7.2f} s  second {c['second_call_s'] * 1e3:7.1f} ms  "
-              f"new graphs {c['new_graphs']}")
+    for cost in compile_rows:
+        print(f"  {cost['step']:<12} first {cost['first_call_s']:7.2f} s  second {cost['second_call_s'] * 1e3:7.1f} ms  "
+              f"new graphs {cost['new_graphs']}")
     print("  build: " + ", ".join(f"{k} {v:.1f} s" for k, v in compiled.compile_seconds.items()))
     print(f"\nspeed ({args.rounds} rounds x {args.steps} steps, medians of round means, {context} positions)")
     print(f"{'step':<10} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} {'eager cpu':>10} {'comp cpu':>9} {'ratio':>6}")
-    for s in speed_rows:
-        print(f"{s['step']:<10} {s['eager_wall_ms']:>9.2f} {s['compiled_wall_ms']:>12.2f} {s['ratio_wall']:>6.3f} "
-              f"{s['eager_cpu_ms']:>10.2f} {s['compiled_cpu_ms']:>9.2f} {s['ratio_cpu']:>6.3f}")
+    for speed in speed_rows:
+        print(f"{speed['step']:<10} {speed['eager_wall_ms']:>9.2f} {speed['compiled_wall_ms']:>12.2f} "
+              f"{speed['ratio_wall']:>6.3f} {speed['eager_cpu_ms']:>10.2f} {speed['compiled_cpu_ms']:>9.2f} "
+              f"{speed['ratio_cpu']:>6.3f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "compiled_layers", "threads": threads, "torch": torch.__version__, "rounds": args.rounds,
         "steps": args.steps, "context": context, "load_before": load_before, "load_after": load_after,
-        "sum_lanes": compiled.lanes, "kernel_bits": bits, "step_bits": step_rows, "compile": compile_rows,
-        "build_seconds": compiled.compile_seconds, "backend": args.backend,
+        "sum_lanes": compiled.lanes, "check_differ": differ, "kernel_bits": bits, "step_bits": step_rows, "compile": compile_rows,
+        "build_seconds": compiled.compile_seconds, "backend": args.backend, "weights": args.weights,
         "speed": speed_rows}, indent=2) + "\n")
     return 0
 

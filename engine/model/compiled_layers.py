@@ -3,33 +3,41 @@
 Between its four matrix products and attention a layer of
 :class:`~engine.model.llama.LlamaForward` runs a dozen small ops: two RMSNorms, RoPE,
 ``silu(gate) * up``, two residual adds. Eagerly each is one or more ATen calls with
-their dispatch cost; here they become four compiled kernels per layer
-(``torch.compile``, inductor's C++ backend), each fused over its ops:
+their dispatch cost; here they are four fused kernels per layer, compiled by
+inductor's C++ backend:
 
-* ``add_norm``: the previous residual add and the next RMSNorm (the layer's input
-  norm after the last layer's MLP, the post-attention norm after ``o_proj``);
+* ``add_norm``: a residual add and the next RMSNorm (the post-attention norm after
+  ``o_proj``; the next layer's input norm after ``down_proj``); ``norm`` alone for
+  the first layer;
 * ``rope``: RoPE on the queries and keys;
 * ``silu_mul``: ``silu(gate) * up``.
 
-The products (:mod:`engine.model.linear`) and attention stay as they are.
+The products (:mod:`engine.model.linear`) and attention stay eager
+(:meth:`CompiledLayers.run` is the layer loop with the kernels in place).
 
-Exactness: a compiled kernel must give every element eager's bits, or batched ==
+Exactness: a kernel must give every element eager's bits, or batched ==
 one-at-a-time and cached == uncached would hold only within one mode. Two things
-differ by default and are put back:
+differ with inductor's defaults and are put back:
 
 * inductor keeps a fused chain of bfloat16 ops in float32; with
   ``emulate_precision_casts`` it rounds to the model dtype wherever eager does;
 * inductor sums RMSNorm's squares in its own order. :func:`aten_row_sum` writes out
-  ATen's order instead (its CPU sum kernel: a cascade of ``4 x lanes``-wide partial
-  sums, then the lanes in order), as plain adds inductor does not reorder (it
-  compiles without ``-ffast-math``'s reassociation, ``-ffp-contract=off``). The
-  lane count is that of ATen's float sum kernel on this CPU (8 on the AVX-512 Xeon
+  ATen's order instead (its CPU inner-sum kernel: a cascade of ``4 x lanes``-wide
+  partial sums, then the scalar tail and the lanes in order) as plain adds, which
+  inductor keeps in order (it compiles without reassociation, ``-ffp-contract=off``).
+  The lane count is that of ATen's float sum kernel here (8 on the AVX-512 Xeon
   measured: its reductions run the AVX2 kernel); :func:`sum_lanes` finds it on a
-  probe, and :meth:`CompiledLayers.check` compares every kernel with eager on probes
-  of 1-40 rows before a forward uses them (ValueError where they differ).
+  probe, and :meth:`CompiledLayers.check` compares every kernel with eager.
 
-Shapes: the row count is dynamic (one graph serves every count above 1; a lone row
-gets its own), the rest specialised to the model.
+Two backends: ``torch.compile`` (a graph for a lone row and one for any other
+count, compiled on first use; each call pays dynamo's guards and wrappers) and
+AOTInductor (each kernel exported with a dynamic row count, built into a shared
+library once, ~5-9 s a kernel, and called through its loader: ~2 us a call against
+~13 us).
+
+Not used by the engine: measured on the bundled model (``benchmarks/compiled_layers.py``,
+docs/performance.md "Issue 27: compiled per-layer ops"), the AOTInductor kernels keep
+every bit and save ~8% of a decode step, the ``torch.compile`` ones cost ~16% more.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ import torch.nn.functional as F
 
 from engine.model.attention import AttentionBatch, paged_attention
 
-_OPTIONS = {"emulate_precision_casts": True}
+_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
+Kernel = Callable[..., Sequence[torch.Tensor]]
 _ILP = 4
 _LEVELS = 4
 
@@ -69,7 +78,7 @@ def aten_row_sum(squares: torch.Tensor, lanes: int) -> torch.Tensor:
     def add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
         return b if a is None else a if b is None else a + b
 
-    i = 0
+    i = 0  # groups summed so far
     while i + step <= groups:
         for _ in range(step):
             acc[0] = add(acc[0], vecs[:, i * _ILP : (i + 1) * _ILP])
@@ -78,8 +87,8 @@ def aten_row_sum(squares: torch.Tensor, lanes: int) -> torch.Tensor:
             acc[level], acc[level - 1] = add(acc[level], acc[level - 1]), None
             if i & (mask << (level * power)):
                 break
-    for i in range(i, groups):
-        acc[0] = add(acc[0], vecs[:, i * _ILP : (i + 1) * _ILP])
+    for g in range(i, groups):
+        acc[0] = add(acc[0], vecs[:, g * _ILP : (g + 1) * _ILP])
     for level in range(1, _LEVELS):
         acc[0] = add(acc[0], acc[level])
     first = acc[0]
@@ -136,7 +145,8 @@ class CompiledLayers:
             raise ValueError("ATen's sum order on this CPU is not one CompiledLayers can write out")
         self.eps, self.lanes, self.exact = eps, lanes, exact
         self.num_heads, self.qk_heads, self.head_dim = num_heads, num_heads + kv_heads, head_dim
-        options = _OPTIONS if exact else {}
+        self.hidden_size, self.intermediate_size, self.dtype = hidden_size, intermediate_size, dtype
+        options: dict[str, Any] = _OPTIONS if exact else {}
         rows = 8
         hidden = torch.zeros((rows, hidden_size), dtype=dtype)
         weight = torch.ones(hidden_size, dtype=dtype)
@@ -149,17 +159,24 @@ class CompiledLayers:
             "rope": (self._rope, (qkv, angles, angles.clone())),
             "silu_mul": (self._silu_mul, (gate_up,)),
         }
+        if backend not in ("compile", "aoti"):
+            raise ValueError(f"backend must be compile or aoti, got {backend!r}")
         self.compile_seconds: dict[str, float] = {}
+        """Per kernel, the seconds its construction took (AOTInductor: export and build)."""
+        built: dict[str, Kernel] = {}
         for name, (fn, examples) in kernels.items():
             start = time.perf_counter()
-            if backend == "compile":
-                compiled: Callable[..., Sequence[torch.Tensor]] = torch.compile(fn, options=options)
-            elif backend == "aoti":
-                compiled = _aoti(fn, examples, options, package_dir, name)
-            else:
-                raise ValueError(f"backend must be compile or aoti, got {backend!r}")
+            built[name] = (torch.compile(fn, options=options) if backend == "compile"
+                           else _aoti(fn, examples, options, package_dir, name))
             self.compile_seconds[name] = time.perf_counter() - start
-            setattr(self, name, compiled)
+        self.norm: Kernel = built["norm"]
+        """``(weight * rms_norm(hidden),)`` of ``(hidden, weight)``."""
+        self.add_norm: Kernel = built["add_norm"]
+        """``(hidden + delta, weight * rms_norm(hidden + delta))`` of ``(hidden, delta, weight)``."""
+        self.rope: Kernel = built["rope"]
+        """``(RoPE'd queries and keys,)`` ``[rows, heads + kv_heads, head_dim]`` of ``(qkv, cos, signed_sin)``."""
+        self.silu_mul: Kernel = built["silu_mul"]
+        """``(silu(gate) * up,)`` of ``(gate_up,)``."""
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
         if not self.exact:
@@ -181,6 +198,38 @@ class CompiledLayers:
     def _silu_mul(gate_up: torch.Tensor) -> tuple[torch.Tensor]:
         half = gate_up.shape[1] // 2
         return (F.silu(gate_up[:, :half]) * gate_up[:, half:],)
+
+    def check(self, rows: Sequence[int] = (1, 3, 8, 40)) -> list[str]:
+        """The kernels (and row counts) whose outputs differ from the eager ops' bits on
+        random probes of ``rows`` rows; empty when every one matches."""
+        from engine.model import llama
+
+        dtype, hidden_size, intermediate_size = self.dtype, self.hidden_size, self.intermediate_size
+        gen = torch.Generator().manual_seed(0)
+        heads = self.qk_heads + self.qk_heads - self.num_heads
+        differ = []
+
+        def rand(*shape: int) -> torch.Tensor:
+            return (torch.randn(shape, generator=gen) * 3).to(dtype)
+
+        weight, post = rand(hidden_size), rand(hidden_size)
+        with torch.inference_mode():
+            for n in rows:
+                hidden, delta = rand(n, hidden_size), rand(n, hidden_size)
+                qkv, gate_up = rand(n, heads * self.head_dim), rand(n, 2 * intermediate_size)
+                cos, signed_sin = rand(n, 1, self.head_dim), rand(n, 1, self.head_dim)
+                added = hidden + delta
+                expected = {
+                    "norm": (llama._rms_norm(hidden, weight, self.eps),),
+                    "add_norm": (added, llama._rms_norm(added, post, self.eps)),
+                    "rope": (llama._rope(qkv.view(n, heads, self.head_dim)[:, : self.qk_heads], cos, signed_sin),),
+                    "silu_mul": (F.silu(gate_up[:, :intermediate_size]) * gate_up[:, intermediate_size:],),
+                }
+                got = {"norm": self.norm(hidden, weight), "add_norm": self.add_norm(hidden, delta, post),
+                       "rope": self.rope(qkv, cos, signed_sin), "silu_mul": self.silu_mul(gate_up)}
+                differ += [f"{name} at {n} rows" for name, want in expected.items()
+                           if not all(torch.equal(a, b) for a, b in zip(got[name], want, strict=True))]
+        return differ
 
     def run(self, layers: Sequence[Any], hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
             batch: AttentionBatch, scale: float) -> torch.Tensor:
@@ -213,7 +262,7 @@ class _Kernel(torch.nn.Module):
 
 
 def _aoti(fn: Callable[..., tuple[torch.Tensor, ...]], examples: tuple[torch.Tensor, ...], options: dict[str, Any],
-          package_dir: str | None, name: str) -> Callable[..., Sequence[torch.Tensor]]:
+          package_dir: str | None, name: str) -> Kernel:
     """``fn`` exported with a dynamic first dimension on every input of more than one
     dimension, compiled by AOTInductor; the loader's ``run`` (a list in, a list out)."""
     rows = torch.export.Dim("rows", min=1)
