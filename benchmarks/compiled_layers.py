@@ -1,6 +1,6 @@
 """Compiled per-layer ops (inductor) against eager: bits, decode-step speed, compile cost.
 
-:class:`engine.model.compiled_layers.CompiledLayers` compiles a Llama layer's work
+:class:`compiled_kernels.CompiledLayers` (``benchmarks/compiled_kernels.py``) compiles a Llama layer's work
 outside attention and the products (residual add + RMSNorm, RoPE, ``silu * up``)
 with ``torch.compile``. On the bundled model, in one process (the runner on the main
 thread, torch's threads unless ``--threads``):
@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
+from compiled_kernels import CompiledLayers
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model import llama
-from engine.model.compiled_layers import CompiledLayers
 from engine.model.runner import SequenceInput
 
 RESULTS = Path(__file__).resolve().parent / "results" / "compiled_layers.json"

@@ -35,9 +35,12 @@ AOTInductor (each kernel exported with a dynamic row count, built into a shared
 library once, ~5-9 s a kernel, and called through its loader: ~2 us a call against
 ~13 us).
 
-Not used by the engine: measured on the bundled model (``benchmarks/compiled_layers.py``,
+An experiment of issue 27, kept with its benchmark rather than in the engine, which
+does not use it: measured on the bundled model (``benchmarks/compiled_layers.py``,
 docs/performance.md "Issue 27: compiled per-layer ops"), the AOTInductor kernels keep
-every bit and save ~8% of a decode step, the ``torch.compile`` ones cost ~16% more.
+every bit and save ~8% of a decode step, the ``torch.compile`` ones cost ~16% more;
+too little for a 25 s build at start-up, a second layer loop (:meth:`CompiledLayers.run`)
+and a reproduction of ATen's summation order that another CPU or torch may not share.
 """
 
 from __future__ import annotations
