@@ -97,3 +97,14 @@ def test_vllm_names_alongside_our_own():
     assert got["vllm:num_requests_waiting,engine=0"] == 0
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 8.0' in text
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.3' in text
+
+
+def test_computed_and_generated_token_counters_render_the_engines_figures():
+    kv = KVCacheManager(4, 4)
+
+    def stats():
+        return SimpleNamespace(**vars(holder(kv).stats()), prompt_tokens_computed=1234, generation_tokens=56)
+
+    got = samples(EngineMetrics(SimpleNamespace(stats=stats), "m").render().decode())
+    assert got["prefixgate_engine_prompt_tokens_computed_total"] == 1234
+    assert got["prefixgate_engine_generation_tokens_total"] == 56
