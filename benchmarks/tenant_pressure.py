@@ -48,6 +48,7 @@ import io
 import json
 import os
 import platform
+import random
 import secrets
 import signal
 import statistics
@@ -233,9 +234,12 @@ def prefill_target(args: argparse.Namespace, workdir: Path, root: Path) -> Itera
 
 
 def heavy_prompt(tokens: int, k: int) -> list[int]:
-    """``tokens`` distinct-looking token ids; a different ``k``, a different prompt."""
-    base = 1000 + (k * 7919) % 20000
-    return [base + (i * 13) % 20000 for i in range(tokens)]
+    """``tokens`` pseudo-random token ids seeded by ``k``: a different ``k``, a different
+    prompt from its first token (an arithmetic series of ``k`` repeated every 20,000
+    values of ``k``, so the two heavy streams, ``k`` 100,000 apart, sent the same prompts
+    and the second one only hit the first one's blocks)."""
+    rng = random.Random(k)
+    return [rng.randrange(1000, 21000) for _ in range(tokens)]
 
 
 async def cold_prefill(target: Target, prompt: list[int]) -> float:
@@ -294,7 +298,7 @@ async def alternate(target: Target, args: argparse.Namespace, prefix: list[int])
     # the engine's fairness window), its prompt tokens computed per second
     await target.idle()
     stop = asyncio.Event()
-    heavy = asyncio.create_task(heavy_prompts(target, clients, prefix, args.heavy_new_tokens, stop, 0))
+    heavy = asyncio.create_task(heavy_prompts(target, clients, prefix, args.heavy_new_tokens, stop, 1_000_000))
     await target.until(lambda: target.engine_gauge("requests_running") >= 1, "a heavy prompt running")
     before, start = await computed(), time.perf_counter()
     await asyncio.sleep(args.heavy_alone_s)  # a measurement window, not a synchronisation
