@@ -23,12 +23,16 @@ write: the licences in /usr/share/common-licenses (distinct files, by content).
     requests (2k prompt + output); 16 streams at once, each a shared 1,920-token
     document prefix plus its own 128-token tail (a RAG-like batch: prefix reuse works
     for both modes), ``--tokens`` greedy output tokens each (``ignore_eos``); exact
-    batch then the compressed batches (``--modes``: ``pyramid``, and
-    ``pyramid+progressive``, compressed chunk by chunk while prefilling), each under
+    batch then the compressed batches (``--modes``: ``pyramid``,
+    ``pyramid+progressive``, compressed chunk by chunk while prefilling, and
+    ``pyramid+layerwise``, the same computing each chunk's tokens only in the layers up
+    to the last that keeps them, PyramidInfer's prefill), each under
     its own cache salt (each prefills the prefix once). Output tokens/s over each
     batch's wall time. Then (part "d", the issue's workload) the same with 16 distinct
     2,048-token prompts (nothing shared). Also recorded: requests running per step
     (mean, max) and re-selections.
+(e) Prefill: one 2,048-token prompt alone, time to its first token per mode
+    (``--runs``, medians; the modes alternate run by run).
 
 Targets (issue 22): (a) <= 0.5x exact at 2k with (b) perplexity <= 1.10x exact;
 (c) >= 1.8x output tokens/s. Prints a table, writes benchmarks/results/kv_compression.json.
@@ -60,7 +64,7 @@ from engine.config import EngineConfig
 from engine.core.forced_tokens import ForcedTokens
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
 from engine.model.packed_kv import PackedKV
-from engine.model.pyramid import PyramidSchedule
+from engine.model.pyramid import DEFAULT_CHUNK, LAYERWISE_CHUNK, PyramidSchedule
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_compression.json"
 LICENSES = Path("/usr/share/common-licenses")
@@ -137,12 +141,19 @@ def kv_held(engine: LLMEngine, docs: dict[str, list[int]], sizes: list[int],
     return rows
 
 
+def chunk_for(chunk: int | None, layerwise: bool) -> int:
+    """``--chunk``, else the engine's default for the mode."""
+    if chunk is not None:
+        return chunk
+    return LAYERWISE_CHUNK if layerwise else DEFAULT_CHUNK
+
+
 def nll(outputs: list[Any]) -> list[float]:
     return [-e.logprob for o in outputs for e in (o.logprobs or [])]
 
 
 def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[float], pools: list[int],
-               n: int, window: int, num_docs: int, no_reselect: float) -> dict[str, Any]:
+               n: int, window: int, num_docs: int, no_reselect: float, chunk: int | None) -> dict[str, Any]:
     chosen = dict(list((name, ids) for name, ids in docs.items() if len(ids) >= CONTEXT + n)[:num_docs])
     prompts = {name: ids[:CONTEXT] for name, ids in chosen.items()}
     targets = {name: ids[CONTEXT : CONTEXT + n] for name, ids in chosen.items()}
@@ -167,21 +178,24 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     exact = forced("none")
     rows.append({"setting": "exact (forced decode)", "min_retention": 1.0, "ppl": ppl(exact)})
     layers = engine.layout.num_layers
-    settings = [(r, pool, True, False) for r in retentions for pool in pools]
-    settings += [(no_reselect, 1, False, False), (no_reselect, 1, True, True)]
-    for r, pool, again, progressive in settings:
-        schedule = PyramidSchedule(r, window, pool=pool, reselect=again, progressive=progressive)
+    settings = [(r, pool, True, False, False) for r in retentions for pool in pools]
+    settings += [(no_reselect, 1, False, False, False), (no_reselect, 1, True, True, False),
+                 (no_reselect, 1, True, True, True)]
+    for r, pool, again, progressive, layerwise in settings:
+        schedule = PyramidSchedule(r, window, pool=pool, reselect=again, progressive=progressive,
+                                   layerwise=layerwise, chunk=chunk_for(chunk, layerwise))
         engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
         before = engine.num_reselections
         kept = sum(schedule.keep_counts(CONTEXT, layers)) / (CONTEXT * layers)
         held = sum(schedule.held_counts(CONTEXT, CONTEXT + n, layers)) / ((CONTEXT + n) * layers)
         rows.append({"setting": f"pyramid min {r:g} pool {pool}" + ("" if again else " no re-selection")
-                     + (" progressive" if progressive else ""),
+                     + (" layer-wise" if layerwise else " progressive" if progressive else ""),
                      "min_retention": r, "pool": pool, "reselect": again, "progressive": progressive,
+                     "layerwise": layerwise,
                      "kept_share": kept,
                      "held_share_at_end_bound": held,
                      # a progressive prefill must not hit the exact prefix the other settings cached
-                     "ppl": ppl(forced("pyramid", f"b-{r}-progressive" if progressive else "b")),
+                     "ppl": ppl(forced("pyramid", f"b-{r}-progressive-{layerwise}" if progressive else "b")),
                      "reselections": engine.num_reselections - before})
     base = rows[1]["ppl"]
     for row in rows:
@@ -190,8 +204,38 @@ def perplexity(engine: LLMEngine, docs: dict[str, list[int]], retentions: list[f
     return {"documents": list(chosen), "context": CONTEXT, "continuation": n, "rows": rows}
 
 
+def prefill_time(engine: LLMEngine, docs: dict[str, list[int]], runs: int, chunk: int | None) -> dict[str, Any]:
+    """(e) Time to the first token of one 2,048-token prompt alone, per mode, the modes
+    alternating run by run, each run under its own salt (nothing cached)."""
+    prompt = [t for d in docs.values() for t in d][:CONTEXT]
+    window = engine.pyramid.window
+    modes: dict[str, PyramidSchedule | None] = {
+        "none": None,
+        "pyramid": PyramidSchedule(engine.pyramid.min_retention, window),
+        "pyramid+progressive": PyramidSchedule(engine.pyramid.min_retention, window, progressive=True,
+                                               chunk=chunk_for(chunk, False)),
+        "pyramid+layerwise": PyramidSchedule(engine.pyramid.min_retention, window, progressive=True,
+                                             layerwise=True, chunk=chunk_for(chunk, True)),
+    }
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for run in range(runs):
+        for mode, schedule in modes.items():
+            if schedule is not None:
+                engine.call(lambda s=schedule: setattr(engine, "pyramid", s))
+            start = time.perf_counter()
+            submit(engine, prompt, mode.split("+")[0], f"e-{mode}-{run}", max_tokens=1).result(timeout=3600)
+            times[mode].append(time.perf_counter() - start)
+    out = {mode: {"runs_s": t, "median_s": sorted(t)[len(t) // 2]} for mode, t in times.items()}
+    for mode, row in out.items():
+        row["ratio"] = row["median_s"] / out["none"]["median_s"]
+        print(f"  (e) {mode:>20}: first token after {row['median_s']:.3f} s (median of {runs}), "
+              f"{row['ratio']:.2f}x exact", flush=True)
+    return out
+
+
 def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window: int,
-               threads: int | None, bytes_per_block: int, distinct: bool, modes: list[str]) -> dict[str, Any]:
+               threads: int | None, bytes_per_block: int, distinct: bool, modes: list[str],
+               chunk: int | None) -> dict[str, Any]:
     bs = 16
     per_request = -(-(CONTEXT + tokens) // bs)
     names = list(docs)
@@ -221,7 +265,9 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
     engine.scheduler.schedule = counting  # type: ignore[method-assign]
     try:
         for mode in modes:
-            pyramid = PyramidSchedule(retention, window, progressive=mode == "pyramid+progressive")
+            pyramid = PyramidSchedule(retention, window, progressive=mode in ("pyramid+progressive", "pyramid+layerwise"),
+                                      layerwise=mode == "pyramid+layerwise",
+                                      chunk=chunk_for(chunk, mode == "pyramid+layerwise"))
             engine.call(lambda p=pyramid: setattr(engine, "pyramid", p))
             before = engine.stats().num_preemptions
             compressed_before = engine.stats().kv_compressed
@@ -274,15 +320,20 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--throughput-retention", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--modes", nargs="+", default=["none", "pyramid", "pyramid+progressive"],
-                        choices=["none", "pyramid", "pyramid+progressive"],
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="prefill chunk of the progressive and layer-wise settings (default: the "
+                        f"engine's, {DEFAULT_CHUNK} and {LAYERWISE_CHUNK})")
+    parser.add_argument("--modes", nargs="+", default=["none", "pyramid", "pyramid+progressive", "pyramid+layerwise"],
+                        choices=["none", "pyramid", "pyramid+progressive", "pyramid+layerwise"],
                         help="modes compared in (c)/(d); none first (the ratios are against it)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d"],
-                        help="parts to skip (d: part (c) with 16 distinct prompts)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"],
+                        help="parts to skip (d: part (c) with 16 distinct prompts; e: one prompt's time "
+                        "to the first token per mode)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per mode in (e)")
     args = parser.parse_args()
     result: dict[str, Any] = {"benchmark": "kv_compression", "machine": {"cpus": os.cpu_count(),
                               "platform": platform.platform()}, "load_avg_before": os.getloadavg(),
-                              "window": args.window}
+                              "window": args.window, "chunk": args.chunk}
     engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=1.0, seed=0, num_threads=args.threads,
                                            kv_window=args.window))
     tok = engine.tokenizer
@@ -293,16 +344,19 @@ def main() -> int:
             result["kv_held"] = kv_held(engine, docs, args.sizes, args.computed_sizes)
         if "b" not in args.skip:
             result["perplexity"] = perplexity(engine, docs, args.retentions, args.pools, args.continuation,
-                                              args.window, args.docs, args.throughput_retention)
+                                              args.window, args.docs, args.throughput_retention, args.chunk)
+        if "e" not in args.skip:
+            result["prefill_time"] = prefill_time(engine, docs, args.runs, args.chunk)
     finally:
         engine.shutdown()
     if "c" not in args.skip:
         result["throughput"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
-                                          args.threads, bytes_per_block, distinct=False, modes=args.modes)
+                                          args.threads, bytes_per_block, distinct=False, modes=args.modes,
+                                          chunk=args.chunk)
     if "d" not in args.skip:
         result["throughput_distinct"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
                                                    args.threads, bytes_per_block, distinct=True,
-                                                   modes=args.modes)
+                                                   modes=args.modes, chunk=args.chunk)
     result["load_avg_after"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
@@ -312,6 +366,9 @@ def main() -> int:
               f"({row['compressed_mib']:.1f} / {row['exact_mib']:.1f} MiB) | {row['ratio']:.3f}x |")
     for row in result.get("perplexity", {}).get("rows", []):
         print(f"| b | {row['setting']} | ppl {row['ppl']:.3f} | {row['ppl_ratio']:.3f}x |")
+    for mode, row in result.get("prefill_time", {}).items():
+        print(f"| e | {mode}, one {CONTEXT}-token prompt, first token (median) | {row['median_s']:.3f} s | "
+              f"{row['ratio']:.2f}x |")
     for key in ("throughput", "throughput_distinct"):
         t = result.get(key)
         if not t:

@@ -124,6 +124,9 @@ def add_parser(subparsers: Any) -> None:
                         help="pyramid: compress a long prompt as soon as its first chunk reaches 128 tokens "
                         "and compute the rest over the kept KV, chunk by chunk, selecting again after each "
                         "(fewer exact blocks held while prefilling; approximate prefill)")
+    parser.add_argument("--kv-layerwise", action="store_true",
+                        help="pyramid: --kv-progressive, and a chunk's token that a layer drops is not "
+                        "computed in deeper layers (PyramidInfer's prefill: cheaper long prompts)")
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="context length limit (default: the model's)")
     parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             kv_offload_dir=args.kv_offload_dir, kv_offload_size_gib=args.kv_offload_size,
             weights=args.weights, kv_compression=args.kv_compression,
             kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
-            kv_progressive=args.kv_progressive, kv_mirror_memory_gib=args.kv_mirror_memory,
+            kv_progressive=args.kv_progressive, kv_layerwise=args.kv_layerwise, kv_mirror_memory_gib=args.kv_mirror_memory,
         )
         _check_model(args.model)
         events_config = None

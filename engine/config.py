@@ -38,7 +38,9 @@ class EngineConfig:
     share of each layer's KV after prefill, falling with depth to
     ``kv_min_retention``, plus the last ``kv_window`` tokens (:mod:`engine.model.pyramid`),
     and selects again every ``kv_window`` decoded tokens; ``kv_progressive`` compresses
-    a long prompt after its first chunk and computes the rest over the kept KV.
+    a long prompt after its first chunk and computes the rest over the kept KV;
+    ``kv_layerwise`` (implies ``kv_progressive``) computes each of those chunks' tokens
+    only in the layers up to the last one that keeps it (PyramidInfer's prefill).
     ``kv_mirror_memory_gib``: at most this much memory for contiguous copies of long
     requests' K/V, read by attention instead of gathering them from the pool each step
     (:mod:`engine.model.kv_mirror`; 0 turns them off; outputs are the same either way).
@@ -63,6 +65,7 @@ class EngineConfig:
     kv_min_retention: float = 0.2
     kv_window: int = 32
     kv_progressive: bool = False
+    kv_layerwise: bool = False
     kv_mirror_memory_gib: float = DEFAULT_KV_MIRROR_MEMORY_GIB
 
     def __post_init__(self) -> None:

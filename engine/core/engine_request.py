@@ -86,6 +86,10 @@ class EngineRequest:
         self.packed: PackedKV | None = None
         """Its packed K/V once compressed (:mod:`engine.model.packed_kv`), else None."""
         self.packed_reservation: int | None = None
+        self.layerwise = False
+        """Its chunks over packed pages are computed layer-wise (resolved by the engine:
+        the schedule says so and the request wants no prompt logprobs, which need every
+        row's logits); the scheduler then reserves each layer the rows it computes."""
         self.stays_exact = False
         """Its compression was refused (no room for the packed blocks): exact from then on."""
         self.reserved = 0

@@ -56,7 +56,15 @@ from engine.model.kv_shift import KVShifter
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
 from engine.model.llama import language_parts
 from engine.model.packed_kv import PackedKV
-from engine.model.pyramid import AttentionCapture, PyramidSchedule, gather, reselect, select
+from engine.model.pyramid import (
+    DEFAULT_CHUNK,
+    LAYERWISE_CHUNK,
+    AttentionCapture,
+    PyramidSchedule,
+    gather,
+    reselect,
+    select,
+)
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -144,7 +152,10 @@ class LLMEngine:
                                      model_fingerprint(model), event_sink=lambda: pool.event_sink)
             self.scheduler.block_loader = self.offload
         self.scheduler.num_layers = self.layout.num_layers
-        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window, progressive=config.kv_progressive)
+        self.pyramid = PyramidSchedule(config.kv_min_retention, config.kv_window,
+                                       progressive=config.kv_progressive or config.kv_layerwise,
+                                       layerwise=config.kv_layerwise,
+                                       chunk=LAYERWISE_CHUNK if config.kv_layerwise else DEFAULT_CHUNK)
         self.num_compressed = 0
         self.num_reselections = 0
         self.reselect_blocks_freed = 0
@@ -358,6 +369,7 @@ class LLMEngine:
         req.compress = mode == "pyramid"
         if req.compress:
             req.capture_tail = self.pyramid.window
+            req.layerwise = self.pyramid.layerwise and req.prompt_logprobs is None and self.runner.lean
         return req
 
     def _validate_images(self, request: GenerationRequest) -> None:
@@ -449,6 +461,7 @@ class LLMEngine:
                     prompt_rows=self._prompt_rows(s.request, s.start, s.end),
                     capture=capture,
                     packed=s.request.packed,
+                    layerwise=self.pyramid if s.request.packed is not None and s.request.layerwise else None,
                     joins=i > 0 and work.scheduled[i - 1].request is s.request,  # a segmented request's runs
                     mirror=s.request.request_id if s.request.assembly is None and s.request.packed is None else None,
                 )
@@ -552,7 +565,11 @@ class LLMEngine:
                 scores[layer, : values.numel()] = values
             req.packed.scores = scores
         try:
-            keep = reselect(req.packed, self.pyramid, req.num_computed_tokens)
+            layers = self.layout.num_layers
+            if capture is not None and len(capture.keep) == layers:  # chosen inside the forward (layer-wise)
+                keep = [capture.keep[layer] for layer in range(layers)]
+            else:
+                keep = reselect(req.packed, self.pyramid, req.num_computed_tokens)
             self.reselect_blocks_freed += self.scheduler.reselect(req, keep)
         except Exception:  # the scheduler preempted it if its pages were touched
             logger.exception("KV re-selection of %s failed", req.request_id)

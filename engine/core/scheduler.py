@@ -673,13 +673,16 @@ class Scheduler:
         packed = req.packed
         if packed is None:
             return self.kv_cache_manager.allocate_slots(req.kv, n) is not None
-        need = packed.blocks_needed(n)
+        new: int | list[int] = n
+        if req.layerwise and n > 1 and self.pyramid is not None:  # each layer writes the rows it computes
+            new = self.pyramid.chunk_rows(n, self.num_layers)
+        need = packed.blocks_needed(new)
         if need:
             ids = self.kv_cache_manager.grow_packed(req.request_id, need)
             if ids is None:
                 return False
             packed.add_blocks(ids)
-        packed.fill(n)
+        packed.fill(new)
         return True
 
     def compress(self, req: EngineRequest, packed: PackedKV, read: Callable[[list[int]], None],

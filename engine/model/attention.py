@@ -238,8 +238,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write the batch's new ``key``/``value`` (``[T, kv_heads, head_dim]``) into their
     slots, then attend every sequence's queries (``query``: ``[T, heads, head_dim]``)
-    over its keys. Returns ``[T, heads * head_dim]`` (zeros on padding rows)."""
-    batch.storage.write(layer, batch.slots, key, value)
+    over its keys. Returns ``[T, heads * head_dim]`` (zeros on padding rows). ``T`` may
+    be less than the batch's rows once layer-wise chunks dropped some (their rows and
+    the padding, the last ones, all have the pad slot)."""
+    batch.storage.write(layer, batch.slots[: key.shape[0]], key, value)
     for mirror in [*(s.mirror for s in batch.sequences), *(g.mirror for g in batch.decode_groups)]:
         if mirror is not None:
             mirror.update(layer, key, value)

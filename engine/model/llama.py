@@ -161,10 +161,53 @@ class LlamaForward:
             embed_rows, values = embeds
             hidden[embed_rows] = values.to(hidden.dtype)
         cos, signed_sin = self._angles(hidden, positions)
+        origin: torch.Tensor | None = None  # per row, its row in the batch (-1: padding), once rows were dropped
         for i, layer in enumerate(self.layers):
-            self._layer(i, layer, hidden, cos, signed_sin, batch)
+            self._attention(i, layer, hidden, cos, signed_sin, batch)
+            dropped = self._survivors(i, batch, hidden.shape[0])
+            if dropped is not None:
+                keep, real = dropped
+                hidden, cos, signed_sin = hidden[keep], cos[keep], signed_sin[keep]
+                before = torch.arange(input_ids.shape[0]) if origin is None else origin
+                origin = torch.cat([before[keep[:real]], keep.new_full((keep.numel() - real,), -1)])
+            self._mlp(layer, hidden)
+        if origin is not None:  # a sampled row is the last of its chunk, which every layer keeps
+            where = torch.zeros(input_ids.shape[0], dtype=torch.long)
+            real_rows = origin >= 0
+            where[origin[real_rows]] = torch.arange(origin.numel())[real_rows]
+            logit_rows = where[logit_rows]
         last = _rms_norm(hidden[logit_rows], self.norm, self.eps)
         return self.lm_head(last)
+
+    def _survivors(self, layer: int, batch: AttentionBatch, num_rows: int) -> tuple[torch.Tensor, int] | None:
+        """The rows that go on to layer ``layer + 1`` and how many of them are real: all
+        but the tokens layer-wise packed chunks dropped after this layer
+        (:meth:`PackedChunk.survivors`), which are the batch's last rows before its
+        padding; None when nothing is dropped. The chunks' rows are updated; the row
+        count stays a multiple of :attr:`row_multiple` (padding rows repeat row 0: pad
+        slot, attention output zero, unused)."""
+        chunks = [c for c in batch.packed_chunks if c.layerwise]
+        if not chunks:
+            return None
+        before = [(c.row, c.m) for c in chunks]
+        end = before[0][0]
+        for row, m in before:
+            if row != end:
+                raise ValueError("layer-wise chunks must be the batch's last rows")
+            end += m
+        if end + (-end % self.row_multiple) != num_rows:
+            raise ValueError("layer-wise chunks must be the batch's last rows")
+        kept = [c.survivors(layer) for c in chunks]
+        if all(k is None for k in kept):
+            return None
+        row = before[0][0]
+        parts = [torch.arange(row)]
+        for chunk, k, (at, m) in zip(chunks, kept, before, strict=True):
+            parts.append(torch.arange(at, at + m) if k is None else k + at)
+            chunk.row = row
+            row += chunk.m
+        pad = -row % self.row_multiple
+        return torch.cat([*parts, torch.zeros(pad, dtype=torch.long)]), row
 
     def _angles(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's ``cos`` and signed ``sin`` (see :func:`_rope`), ``[T, 1, head_dim]``."""
@@ -186,8 +229,18 @@ class LlamaForward:
     def _layer(self, i: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                batch: AttentionBatch) -> None:
         """Layer ``i`` on ``hidden``, in place; writes the layer's K/V into the batch's slots."""
+        self._attention(i, layer, hidden, cos, signed_sin, batch)
+        self._mlp(layer, hidden)
+
+    def _attention(self, i: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   batch: AttentionBatch) -> None:
+        """Layer ``i``'s attention block on ``hidden``, in place (residual added); writes
+        the layer's K/V."""
         q, k, v = self._qkv(layer, hidden, cos, signed_sin)
         hidden.add_(layer.o(paged_attention(i, q, k, v, batch, self.scale)))
+
+    def _mlp(self, layer: _Layer, hidden: torch.Tensor) -> None:
+        """A layer's MLP block on ``hidden``, in place (residual added)."""
         x = _rms_norm(hidden, layer.post_norm, self.eps)
         gate_up = layer.gate_up(x)
         half = gate_up.shape[1] // 2

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.packed_kv import PackedKV
-from engine.model.pyramid import AttentionCapture
+from engine.model.pyramid import AttentionCapture, PyramidSchedule, keep_chunk
 
 
 @dataclass(frozen=True)
@@ -112,20 +112,40 @@ class PackedChunk:
     it keeps, and row ``i`` attends those kept tokens plus the chunk's first ``i + 1``
     (causal within the chunk). With ``capture``, the chunk's last ``capture.window``
     queries' attention over the layer's tokens is added to it (the next selection's
-    evidence)."""
+    evidence).
 
-    def __init__(self, row: int, n: int, packed: PackedKV, capture: AttentionCapture | None) -> None:
-        """The pages must hold room for the ``n`` tokens in every layer (:meth:`PackedKV.fill`)."""
+    Layer-wise (``schedule`` given, :attr:`PyramidSchedule.layerwise`): after layer
+    ``l``'s attention, :meth:`survivors` selects that layer's tokens right away
+    (:func:`~engine.model.pyramid.keep_chunk`: the chunk keeps about ``retention(l)`` of
+    its tokens, the layer's older tokens fill the rest; recorded in the capture and
+    applied after the forward) and the chunk's tokens it drops leave the batch: layer
+    ``l + 1`` computes only :attr:`m` rows, from :attr:`row` on. The last ``window``
+    tokens are always kept, so the chunk's last token (the one that samples) reaches
+    the last layer."""
+
+    def __init__(self, row: int, n: int, packed: PackedKV, capture: AttentionCapture | None,
+                 schedule: PyramidSchedule | None = None, total: int | None = None) -> None:
+        """The pages must hold room for the ``n`` tokens in every layer (:meth:`PackedKV.fill`).
+        ``schedule`` and ``total`` (the sequence's length after this chunk): layer-wise."""
         self.row, self.n, self.packed, self.capture = row, n, packed, capture
         self.counts = list(packed.counts)
+        self.m = n
+        """The chunk's rows in the current layer (its survivors, layer-wise)."""
+        self.added = [n] * len(self.counts)
+        """Per layer, the chunk tokens it computed (and holds until the next selection)."""
+        self.targets: list[int] | None = None
+        self.schedule = schedule
+        if schedule is not None and capture is not None and total is not None:
+            self.targets = schedule.keep_counts(total, len(self.counts))
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
-        p, n, r = self.packed, self.n, self.row
+        p, n, r = self.packed, self.m, self.row
         storage = p.storage
         lay = storage.layout
         kv_heads, head_dim, bs = lay.kv_heads, lay.head_dim, lay.block_size
         count = self.counts[layer]
+        self.added[layer] = n
         p.write(layer, count, key[r : r + n], value[r : r + n])
         pages = -(-(count + n) // bs)
         table = p.table[layer, :pages]
@@ -147,6 +167,28 @@ class PackedChunk:
         chunk = torch.matmul(probs, values[:, None])  # [kv_heads, groups, n, head_dim]
         out[r : r + n] = chunk.permute(2, 0, 1, 3).reshape(n, heads * head_dim)
 
+    @property
+    def layerwise(self) -> bool:
+        return self.targets is not None
+
+    def survivors(self, layer: int) -> torch.Tensor | None:
+        """After layer ``layer``'s :meth:`attend`: the chunk rows (``0 .. m - 1``) that
+        layer keeps, which alone go on to the next layer (:attr:`m` becomes their
+        number); None when all go on (or not layer-wise). Changes no K/V."""
+        if self.targets is None or self.capture is None:
+            return None
+        count, n = self.counts[layer], self.m
+        schedule = self.schedule
+        assert schedule is not None
+        quota = min(n, schedule.chunk_quota(layer, self.n, len(self.counts)))
+        keep = keep_chunk(self.capture.scores[layer], count, n, self.targets[layer], quota, schedule)
+        self.capture.keep[layer] = keep
+        new = keep[keep >= count] - count
+        if new.numel() == n:
+            return None
+        self.m = int(new.numel())
+        return new
+
     def advance(self) -> None:
-        """After the forward: every layer holds the chunk's tokens too."""
-        self.packed.counts = [c + self.n for c in self.packed.counts]
+        """After the forward: every layer holds the chunk tokens it computed too."""
+        self.packed.counts = [c + a for c, a in zip(self.packed.counts, self.added, strict=True)]

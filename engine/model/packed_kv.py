@@ -70,19 +70,29 @@ class PackedKV:
         self.blocks.extend(block_ids)
         self.spare.extend(layer * self.stride + b for b in block_ids for layer in range(self.num_layers))
 
-    def blocks_needed(self, new_tokens: int = 0) -> int:
-        """Blocks to add before every layer can hold ``new_tokens`` more tokens."""
+    def _per_layer(self, new_tokens: int | Sequence[int]) -> list[int]:
+        if isinstance(new_tokens, int):
+            return [new_tokens] * self.num_layers
+        if len(new_tokens) != self.num_layers:
+            raise ValueError(f"{len(new_tokens)} layer counts for {self.num_layers} layers")
+        return list(new_tokens)
+
+    def blocks_needed(self, new_tokens: int | Sequence[int] = 0) -> int:
+        """Blocks to add before every layer can hold ``new_tokens`` more tokens (or
+        layer ``l`` ``new_tokens[l]``)."""
         bs = self.block_size
-        pages = sum(max(0, -(-(c + new_tokens) // bs) - len(p)) for c, p in zip(self.counts, self.pages, strict=True))
+        pages = sum(max(0, -(-(c + k) // bs) - len(p))
+                    for c, k, p in zip(self.counts, self._per_layer(new_tokens), self.pages, strict=True))
         return -(-max(0, pages - len(self.spare)) // self.num_layers)
 
-    def fill(self, new_tokens: int = 0) -> None:
-        """Give every layer the spare pages it needs for ``new_tokens`` more tokens
-        (:meth:`blocks_needed` must be 0)."""
+    def fill(self, new_tokens: int | Sequence[int] = 0) -> None:
+        """Give every layer the spare pages it needs for ``new_tokens`` more tokens (or
+        layer ``l`` ``new_tokens[l]``; :meth:`blocks_needed` must be 0)."""
         bs = self.block_size
         added: list[tuple[int, int, int]] = []
-        for layer, (count, pages) in enumerate(zip(self.counts, self.pages, strict=True)):
-            while len(pages) * bs < count + new_tokens:
+        for layer, (count, k, pages) in enumerate(zip(self.counts, self._per_layer(new_tokens), self.pages,
+                                                      strict=True)):
+            while len(pages) * bs < count + k:
                 if not self.spare:
                     raise ValueError("no spare page: add blocks first")
                 pages.append(self.spare.pop())

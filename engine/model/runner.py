@@ -45,7 +45,7 @@ from engine.model.kv_mirror import KVMirrors, MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
-from engine.model.pyramid import AttentionCapture
+from engine.model.pyramid import AttentionCapture, PyramidSchedule
 from engine.model.q4_weights import Q4Matrix
 
 
@@ -74,6 +74,10 @@ class SequenceInput:
     """A compressed request's tokens (``block_ids`` unused): they attend its packed pages
     (:mod:`engine.model.packed_attention`), which have room for them; one token is a
     decode, more a prefill chunk (``capture`` applies to it)."""
+    layerwise: PyramidSchedule | None = None
+    """A packed prefill chunk with a capture and no prompt rows may drop, after each
+    layer, the tokens that layer's selection drops (:meth:`PackedChunk.survivors`, the
+    Llama forward only); such chunks get the batch's last rows."""
     mirror: str | None = None
     """The request's id when its K/V at a position depend only on its tokens up to
     there (exact, not assembled from modules): a long one is then read from its mirror
@@ -95,6 +99,8 @@ class _Joined:
     capture: AttentionCapture | None
     sample: bool
     mirror: str | None = None
+    index: int = 0
+    """The sequence (of the step's) that ends it: its logit row's place in the output."""
 
 
 class ModelRunner:
@@ -137,13 +143,14 @@ class ModelRunner:
         decodes: dict[int, list[tuple[int, int, list[int]]]] = {}
         groups: list[DecodeGroup] = []
         mirrors: list[MirrorUse] = []
-        logit_rows: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
         packed_rows: list[int] = []
         packed: list[PackedKV] = []
         packed_chunks: list[PackedChunk] = []
         joined: _Joined | None = None  # the slice being built, closed by the next sequence that does not join it
+        sampled: list[tuple[int, int]] = []  # (sequence index, logit row): rows in sequence order at the end
+        starts: list[int] = [0] * len(sequences)  # each sequence's first row
 
         def close() -> None:
             if joined is None:
@@ -165,13 +172,19 @@ class ModelRunner:
                                             positions=torch.tensor(joined.positions) if spread else None,
                                             mirror=mirror))
             if joined.sample:
-                logit_rows.append(row + n - 1)
+                sampled.append((joined.index, row + n - 1))
 
-        for seq in sequences:
+        layerwise = [seq.packed is not None and len(seq.token_ids) > 1 and seq.layerwise is not None
+                     and seq.capture is not None and not seq.prompt_rows and self._llama is not None
+                     for seq in sequences]
+        order = [i for i, last in enumerate(layerwise) if not last] + [i for i, last in enumerate(layerwise) if last]
+        for index in order:
+            seq = sequences[index]
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)
             if n < 1:
                 raise ValueError("a scheduled sequence must compute at least one token")
             row = len(ids)
+            starts[index] = row
             if seq.joins:
                 if (joined is None or joined.sample or seq.start <= joined.positions[-1] or seq.packed is not None
                         or seq.embeds or seq.prompt_rows or seq.capture is not None):
@@ -181,6 +194,7 @@ class ModelRunner:
                 slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
                 joined.positions.extend(range(seq.start, end))
                 joined.sample = seq.sample
+                joined.index = index
                 joined.mirror = None
                 continue
             close()
@@ -196,13 +210,16 @@ class ModelRunner:
                     packed_rows.append(row)
                     packed.append(seq.packed)
                 else:
-                    packed_chunks.append(PackedChunk(row, n, seq.packed, seq.capture))
+                    packed_chunks.append(PackedChunk(row, n, seq.packed, seq.capture,
+                                                     seq.layerwise if layerwise[index] else None, end))
                 if seq.sample:
-                    logit_rows.append(row + n - 1)
+                    sampled.append((index, row + n - 1))
                 continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
-            joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample, seq.mirror)
+            joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample, seq.mirror,
+                             index)
         close()
+        logit_rows = [row for _, row in sorted(sampled)]
         groups += [
             DecodeGroup.build([r for r, _, _ in members], [p for _, p, _ in members],
                               [t for _, _, t in members], storage)
@@ -217,7 +234,7 @@ class ModelRunner:
         logit_rows.extend([logit_rows[0] if logit_rows else 0] * (-len(logit_rows) % multiple))
         if not logit_rows:
             logit_rows = [0] * multiple
-        prompt_at = self._add_prompt_rows(sequences, logit_rows)
+        prompt_at = self._add_prompt_rows(sequences, starts, logit_rows)
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups,
                                PackedDecodes(packed_rows, packed) if packed else None, packed_chunks)
         input_ids = torch.tensor(ids, dtype=torch.long)
@@ -273,13 +290,14 @@ class ModelRunner:
         return deviation[:n]
 
     @staticmethod
-    def _add_prompt_rows(sequences: Sequence[SequenceInput], logit_rows: list[int]) -> list[tuple[int, int] | None]:
+    def _add_prompt_rows(sequences: Sequence[SequenceInput], starts: Sequence[int], logit_rows: list[int],
+                         ) -> list[tuple[int, int] | None]:
         """Append the rows whose logits sequences asked for beyond their last token to
         ``logit_rows`` (after the sampled rows, padded to a multiple of ROW_MULTIPLE: the
-        LM head's tiles then keep the sampled rows' bits); each sequence's range of them."""
+        LM head's tiles then keep the sampled rows' bits); each sequence's range of them
+        (``starts``: each sequence's first row)."""
         spans: list[tuple[int, int] | None] = []
-        row = 0
-        for seq in sequences:
+        for seq, row in zip(sequences, starts, strict=True):
             if seq.prompt_rows > len(seq.token_ids):
                 raise ValueError(f"prompt_rows {seq.prompt_rows} exceeds the {len(seq.token_ids)} tokens computed")
             if seq.prompt_rows:
@@ -287,7 +305,6 @@ class ModelRunner:
                 logit_rows.extend(range(row, row + seq.prompt_rows))
             else:
                 spans.append(None)
-            row += len(seq.token_ids)
         if len(logit_rows) % ROW_MULTIPLE:
             logit_rows.extend([logit_rows[-1]] * (-len(logit_rows) % ROW_MULTIPLE))
         return spans

@@ -362,3 +362,188 @@ def test_progressive_prefill_never_holds_the_whole_prompt_exactly(make_engine):
     assert most < 0.6 * -(-n // BS)
     assert req.reserved < -(-n // BS)  # admitted by what it holds, not by its prompt
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_layerwise_prefill_with_full_retention_decodes_like_exact(make_engine):
+    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64),
+                         min_tokens=64, layerwise=True)
+    prompt = prompt_of(300, offset=9)
+    exact = run(engine, prompt, mode="none", max_tokens=24, logprobs=0, salt="a")
+    packed = run(engine, prompt, mode="pyramid", max_tokens=24, logprobs=0, salt="b")
+    assert engine.num_compressed == 1
+    assert tokens_of(packed) == tokens_of(exact)
+    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
+    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
+def layerwise_chunks(monkeypatch):
+    """Record, per layer-wise chunk after its forward, the tokens each layer computed."""
+    from engine.model.packed_attention import PackedChunk
+
+    seen = []
+    advance = PackedChunk.advance
+
+    def recording(self):
+        if self.layerwise:
+            seen.append(list(self.added))
+        advance(self)
+
+    monkeypatch.setattr(PackedChunk, "advance", recording)
+    return seen
+
+
+def test_layerwise_prefill_computes_fewer_rows_in_deeper_layers(make_engine, monkeypatch):
+    """A layer's dropped chunk tokens are not computed below it: the rows per layer are
+    the schedule's (the chunk's window plus about the layer's retention of the rest),
+    and no layer holds more than its selection keeps."""
+    seen = layerwise_chunks(monkeypatch)
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
+                                     max_num_batched_tokens=64), min_tokens=64, layerwise=True)
+    n = 400
+    req = engine._validate(GenerationRequest("lw", prompt_of(n, offset=5), SamplingParams(max_tokens=4,
+                                                                                          temperature=0.0)))
+    req.stream = OutputStream("lw", lambda _rid: None)
+    engine.scheduler.add(req)
+    while engine.scheduler.has_work():
+        engine.step()
+        engine.kv_cache_manager.check_integrity()
+        if req.packed is not None and req.num_computed_tokens <= n:
+            targets = engine.pyramid.keep_counts(req.num_computed_tokens, 6)
+            assert req.packed.counts[0] == req.num_computed_tokens
+            assert all(c <= t for c, t in zip(req.packed.counts, targets, strict=True))
+    assert len(seen) >= 5
+    for added in seen:
+        assert added == engine.pyramid.chunk_rows(added[0], 6)  # what the scheduler reserved pages for
+    assert all(added[-1] < added[0] / 2 for added in seen if added[0] >= 32)
+    assert all(added[-1] >= 8 for added in seen)  # the window reaches the last layer
+    assert len(req.kv.output_token_ids) == 4
+
+
+def layerwise_pair(make_engine, first, second, first_mode, budget):
+    """``first`` and ``second`` admitted together into a layer-wise engine and driven to
+    the end; each one's output tokens."""
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
+                                     max_num_batched_tokens=budget), min_tokens=64, layerwise=True)
+    reqs = [GenerationRequest(f"pair-{next(_ids)}", list(first), SamplingParams(max_tokens=40, temperature=0.0),
+                              kv_compression=first_mode),
+            GenerationRequest(f"pair-{next(_ids)}", list(second), SamplingParams(max_tokens=12, temperature=0.0))]
+    validated = []
+    for r in reqs:
+        req = engine._validate(r)
+        req.stream = OutputStream(r.request_id, lambda _rid: None)
+        engine.scheduler.add(req)
+        validated.append(req)
+    while engine.scheduler.has_work():
+        engine.step()
+        engine.kv_cache_manager.check_integrity()
+    return [list(req.kv.output_token_ids) for req in validated]
+
+
+def test_layerwise_chunks_leave_their_batch_neighbours_alone(make_engine, monkeypatch):
+    """Dropping a chunk's rows mid-forward changes nothing for the other rows of the
+    batch, nor theirs for it: an exact request decoding beside layer-wise chunks gets
+    the tokens it gets alone, and the compressed request the same tokens whichever
+    exact request (same lengths, other tokens) runs beside it."""
+    seen = layerwise_chunks(monkeypatch)
+    packed_prompt = prompt_of(360, offset=7)
+    neighbours = [prompt_of(40, offset=2), prompt_of(40, offset=3)]
+    alone = make_engine(kv_compression="none")
+    exact_alone = [tokens_of(run(alone, p, max_tokens=40)) for p in neighbours]
+    results = [layerwise_pair(make_engine, neighbour, packed_prompt, "none", 96) for neighbour in neighbours]
+    assert any(a[-1] < a[0] for a in seen)
+    assert [exact for exact, _ in results] == exact_alone
+    assert results[0][1] == results[1][1]
+
+
+def test_two_layerwise_chunks_in_one_forward_keep_their_own_rows(make_engine, monkeypatch):
+    """Two compressed requests prefilling chunk by chunk in the same forwards (a budget
+    of two chunks): the second one's tokens do not depend on the first one's prompt."""
+    seen = layerwise_chunks(monkeypatch)
+    subject = prompt_of(330, offset=21)
+    results = [layerwise_pair(make_engine, prompt_of(330, offset=k), subject, "pyramid", 96) for k in (4, 5)]
+    assert any(a[-1] < a[0] for a in seen)
+    assert results[0][0] != results[1][0]
+    assert results[0][1] == results[1][1]
+
+
+def test_a_layerwise_chunk_computes_what_a_reference_loop_computes(make_engine, deep_model):
+    """One layer-wise chunk against a plain loop over the transformers layers: per layer,
+    the chunk's surviving tokens attend the kept K/V plus the chunk causally, the last
+    ``window`` queries' attention picks what the layer keeps (the chunk about the
+    layer's retention of itself, the older tokens the rest), and only the chunk's kept
+    tokens go on. The K/V every layer holds afterwards are the loop's."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from engine.model.pyramid import keep_chunk
+
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
+                                     max_num_batched_tokens=64), min_tokens=64, layerwise=True)
+    n = 300
+    tokens = prompt_of(n, offset=11)
+    req = engine._validate(GenerationRequest("ref", tokens, SamplingParams(max_tokens=2, temperature=0.0)))
+    req.stream = OutputStream("ref", lambda _rid: None)
+    engine.scheduler.add(req)
+    while req.packed is None or req.num_computed_tokens < 160:
+        engine.step()
+    packed, layers = req.packed, deep_model.model.layers
+    old = [packed.read(layer, torch.arange(c)) for layer, c in enumerate(packed.counts)]
+    start = req.num_computed_tokens
+    engine.step()
+    end = req.num_computed_tokens
+    assert end - start == 48 and end < n
+
+    schedule, window = engine.pyramid, engine.pyramid.window
+    targets = schedule.keep_counts(end, len(layers))
+    heads, kv_heads = deep_model.config.num_attention_heads, deep_model.config.num_key_value_heads
+    d = deep_model.config.hidden_size // heads
+    with torch.no_grad():
+        h = deep_model.model.embed_tokens(torch.tensor(tokens[start:end]))
+        cos, sin = deep_model.model.rotary_emb(h[None], torch.arange(start, end)[None])
+        dropped = False
+        for layer, block in enumerate(layers):
+            m, c = h.shape[0], old[layer][0].shape[0]
+            x = block.input_layernorm(h)
+            attn = block.self_attn
+            q = attn.q_proj(x).view(m, heads, d).transpose(0, 1)[None]
+            k = attn.k_proj(x).view(m, kv_heads, d).transpose(0, 1)[None]
+            v = attn.v_proj(x).view(m, kv_heads, d)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys = torch.cat([old[layer][0], k[0].transpose(0, 1)])  # [c + m, kv_heads, d]
+            values = torch.cat([old[layer][1], v])
+            kk = keys.transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, c + m, d]
+            scores = q[0] @ kk.transpose(1, 2) * d**-0.5  # [heads, m, c + m]
+            hidden = torch.arange(c + m)[None, :] > (c + torch.arange(m))[:, None]
+            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+            out = probs @ values.transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, m, d]
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(m, heads * d))
+            quota = schedule.chunk_quota(layer, end - start, len(layers))
+            keep = keep_chunk(probs[:, max(0, m - window):].sum((0, 1)), c, m, targets[layer], min(m, quota),
+                              schedule)
+            held = packed.read(layer, torch.arange(packed.counts[layer]))
+            assert packed.counts[layer] == keep.numel()
+            torch.testing.assert_close(held[0], keys[keep], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(held[1], values[keep], atol=1e-4, rtol=1e-4)
+            survivors = keep[keep >= c] - c
+            dropped |= survivors.numel() < m
+            h, cos, sin = h[survivors], cos[:, survivors], sin[:, survivors]
+            h = h + block.mlp(block.post_attention_layernorm(h))
+    assert dropped
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+def test_layerwise_selection_keeps_the_chunks_quota_and_the_best_older_tokens():
+    from engine.model.pyramid import PyramidSchedule, keep_chunk
+
+    schedule = PyramidSchedule(min_retention=0.25, window=4, progressive=True, layerwise=True, chunk=40)
+    assert [schedule.chunk_quota(layer, 40, 3) for layer in range(3)] == [40, 18, 10]  # 1.0, 0.4375, 0.25
+    assert schedule.chunk_rows(40, 3) == [40, 40, 18]
+    assert schedule.chunk_rows(6, 3) == [6, 6, 4]  # never below the window, never above the chunk
+    # while prefilling, a layer holds its kept tokens plus the rows it computes of a chunk
+    assert schedule.held_counts(40, 50, 3) == [50, 50, 28]
+    scores = torch.tensor([5.0, 0.0, 9.0, 1.0, 7.0, 0.5] + [3.0, 8.0, 0.0, 0.0, 2.0, 0.0] + [0.0] * 4)
+    keep = keep_chunk(scores, 6, 10, 8, 5, schedule)
+    assert keep.tolist() == [0, 2, 4, 7, 12, 13, 14, 15]  # 3 best old, the chunk's best + its window
+    assert keep_chunk(scores, 6, 10, 20, 5, schedule).tolist() == [0, 1, 2, 3, 4, 5, 7, 12, 13, 14, 15]
+    assert keep_chunk(scores, 6, 10, 20, 10, schedule).tolist() == list(range(16))
