@@ -69,16 +69,22 @@ def tokens_of(outputs):
     return [t for o in outputs for t in o.new_token_ids]
 
 
-def drive(engine, requests):
-    """Submit by hand and step the loop here, checking integrity after every step;
-    returns, per request, the blocks it held right after compression."""
-    held = {}
+def add_by_hand(engine, requests):
+    """The engine requests of ``requests``, queued in the scheduler of a stopped engine."""
     reqs = []
     for r in requests:
         req = engine._validate(r)
         req.stream = OutputStream(r.request_id, lambda _rid: None)
         engine.scheduler.add(req)
         reqs.append(req)
+    return reqs
+
+
+def drive(engine, requests):
+    """Submit by hand and step the loop here, checking integrity after every step;
+    returns, per request, the blocks it held right after compression."""
+    held = {}
+    reqs = add_by_hand(engine, requests)
     while engine.scheduler.has_work():
         engine.step()
         engine.kv_cache_manager.check_integrity()
@@ -321,8 +327,10 @@ def progressive(engine, **overrides):
     return engine
 
 
-def test_progressive_prefill_with_full_retention_decodes_like_exact(make_engine):
-    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64), min_tokens=64)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["progressive", "layerwise"])
+def test_progressive_prefill_with_full_retention_decodes_like_exact(make_engine, layerwise):
+    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64), min_tokens=64,
+                         layerwise=layerwise)
     prompt = prompt_of(300, offset=9)
     exact = run(engine, prompt, mode="none", max_tokens=24, logprobs=0, salt="a")
     packed = run(engine, prompt, mode="pyramid", max_tokens=24, logprobs=0, salt="b")
@@ -362,19 +370,6 @@ def test_progressive_prefill_never_holds_the_whole_prompt_exactly(make_engine):
     assert most < 0.6 * -(-n // BS)
     assert req.reserved < -(-n // BS)  # admitted by what it holds, not by its prompt
     assert kv.num_free_blocks == kv.num_blocks
-
-
-def test_layerwise_prefill_with_full_retention_decodes_like_exact(make_engine):
-    engine = progressive(make_engine(kv_min_retention=1.0, kv_window=8, max_num_batched_tokens=64),
-                         min_tokens=64, layerwise=True)
-    prompt = prompt_of(300, offset=9)
-    exact = run(engine, prompt, mode="none", max_tokens=24, logprobs=0, salt="a")
-    packed = run(engine, prompt, mode="pyramid", max_tokens=24, logprobs=0, salt="b")
-    assert engine.num_compressed == 1
-    assert tokens_of(packed) == tokens_of(exact)
-    a = torch.tensor([e.logprob for o in exact for e in o.logprobs])
-    b = torch.tensor([e.logprob for o in packed for e in o.logprobs])
-    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
 
 
 def layerwise_chunks(monkeypatch):
@@ -428,12 +423,7 @@ def layerwise_pair(make_engine, first, second, first_mode, budget):
     reqs = [GenerationRequest(f"pair-{next(_ids)}", list(first), SamplingParams(max_tokens=40, temperature=0.0),
                               kv_compression=first_mode),
             GenerationRequest(f"pair-{next(_ids)}", list(second), SamplingParams(max_tokens=12, temperature=0.0))]
-    validated = []
-    for r in reqs:
-        req = engine._validate(r)
-        req.stream = OutputStream(r.request_id, lambda _rid: None)
-        engine.scheduler.add(req)
-        validated.append(req)
+    validated = add_by_hand(engine, reqs)
     while engine.scheduler.has_work():
         engine.step()
         engine.kv_cache_manager.check_integrity()
