@@ -154,8 +154,11 @@ def test_teacher_forced_scoring_under_compression(make_engine):
     assert all(e.logprob <= 0 for o in outs for e in o.logprobs)
 
 
-def test_many_compressed_requests_under_pressure_leak_nothing(make_engine):
-    engine = make_engine(kv_cache_memory_gib=0.0015, max_num_batched_tokens=256)
+@pytest.mark.parametrize("mode", [{}, {"kv_progressive": True, "max_num_batched_tokens": 128},
+                                  {"kv_layerwise": True, "max_num_batched_tokens": 128}],
+                         ids=["after-prefill", "progressive", "layerwise"])
+def test_many_compressed_requests_under_pressure_leak_nothing(make_engine, mode):
+    engine = make_engine(kv_cache_memory_gib=0.0015, **{"max_num_batched_tokens": 256, **mode})
     kv = engine.kv_cache_manager
     prompts = [prompt_of(200 + 37 * i, offset=i) for i in range(8)]
     streams = [engine.submit(GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=60, temperature=0.0,
@@ -537,3 +540,21 @@ def test_layerwise_selection_keeps_the_chunks_quota_and_the_best_older_tokens():
     assert keep.tolist() == [0, 2, 4, 7, 12, 13, 14, 15]  # 3 best old, the chunk's best + its window
     assert keep_chunk(scores, 6, 10, 20, 5, schedule).tolist() == [0, 1, 2, 3, 4, 5, 7, 12, 13, 14, 15]
     assert keep_chunk(scores, 6, 10, 20, 10, schedule).tolist() == list(range(16))
+
+
+def test_a_layerwise_request_preempted_mid_prefill_starts_again_and_leaks_nothing(make_engine):
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
+                                     max_num_batched_tokens=64), min_tokens=64, layerwise=True)
+    kv, sched = engine.kv_cache_manager, engine.scheduler
+    [req] = add_by_hand(engine, [GenerationRequest("pre", prompt_of(400, offset=13),
+                                                   SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])
+    while req.packed is None or req.num_computed_tokens < 250:
+        engine.step()
+    sched._preempt(req)  # what a running request finding no free block does to the newest
+    kv.check_integrity()
+    assert req.packed is None and req.num_computed_tokens == 0
+    while sched.has_work():
+        engine.step()
+        kv.check_integrity()
+    assert len(req.kv.output_token_ids) == 10 and engine.num_compressed == 2
+    assert kv.num_free_blocks == kv.num_blocks and not kv.packed
