@@ -558,18 +558,17 @@ class LLMEngine:
         attention (or its last prefill chunk's, ``capture``); the blocks that frees go
         back to the pool (between steps)."""
         assert req.packed is not None
-        if capture is not None:
-            layers = self.layout.num_layers
+        layers = self.layout.num_layers
+        chosen = None  # the selection a layer-wise chunk made inside its forward, applied as it is
+        if capture is not None and len(capture.keep) == layers:
+            chosen = [capture.keep[layer] for layer in range(layers)]
+        if capture is not None and chosen is None:
             scores = torch.zeros((layers, max(c.numel() for c in capture.scores.values())))
             for layer, values in capture.scores.items():
                 scores[layer, : values.numel()] = values
             req.packed.scores = scores
         try:
-            layers = self.layout.num_layers
-            if capture is not None and len(capture.keep) == layers:  # chosen inside the forward (layer-wise)
-                keep = [capture.keep[layer] for layer in range(layers)]
-            else:
-                keep = reselect(req.packed, self.pyramid, req.num_computed_tokens)
+            keep = chosen if chosen is not None else reselect(req.packed, self.pyramid, req.num_computed_tokens)
             self.reselect_blocks_freed += self.scheduler.reselect(req, keep)
         except Exception:  # the scheduler preempted it if its pages were touched
             logger.exception("KV re-selection of %s failed", req.request_id)

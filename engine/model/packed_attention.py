@@ -125,8 +125,9 @@ class PackedChunk:
 
     def __init__(self, row: int, n: int, packed: PackedKV, capture: AttentionCapture | None,
                  schedule: PyramidSchedule | None = None, total: int | None = None) -> None:
-        """The pages must hold room for the ``n`` tokens in every layer (:meth:`PackedKV.fill`).
-        ``schedule`` and ``total`` (the sequence's length after this chunk): layer-wise."""
+        """The pages must hold room for the ``n`` tokens in every layer (:meth:`PackedKV.fill`),
+        or layer-wise (``schedule`` and ``total``, the sequence's length after this chunk)
+        for the rows each layer computes (:meth:`PyramidSchedule.chunk_rows`)."""
         self.row, self.n, self.packed, self.capture = row, n, packed, capture
         self.counts = list(packed.counts)
         self.m = n
