@@ -436,7 +436,7 @@ class LLMEngine:
         """Run one scheduler step: one forward over every scheduled token, then sample."""
         work = self.scheduler.schedule()
         for req in work.preempted:  # its blocks were freed
-            self.runner.mirrors.forget(req.request_id)
+            self.runner.forget(req.request_id)
         if work.copies:  # module K/V into segmented requests' blocks, before the forward reads them
             assert self.shifter is not None
             self.shifter.apply(work.copies)
@@ -463,7 +463,7 @@ class LLMEngine:
                     packed=s.request.packed,
                     layerwise=self.pyramid if s.request.packed is not None and s.request.layerwise else None,
                     joins=i > 0 and work.scheduled[i - 1].request is s.request,  # a segmented request's runs
-                    mirror=s.request.request_id if s.request.assembly is None and s.request.packed is None else None,
+                    mirror=s.request.request_id if s.request.assembly is None else None,
                 )
                 for i, (s, capture) in enumerate(zip(work.scheduled, captures, strict=True))
             ]
@@ -548,7 +548,7 @@ class LLMEngine:
             logger.exception("KV compression of %s failed", req.request_id)
             return
         if done:
-            self.runner.mirrors.forget(req.request_id)
+            self.runner.forget(req.request_id)
             self.num_compressed += 1
             self.compressed_tokens += n
             self.retained_tokens += packed.num_tokens / self.layout.num_layers
@@ -656,7 +656,7 @@ class LLMEngine:
     def _release(self, req: EngineRequest) -> None:
         """Take the request out of the scheduler and free its blocks and mirror (idempotent)."""
         self.scheduler.finish(req)
-        self.runner.mirrors.forget(req.request_id)
+        self.runner.forget(req.request_id)
         self._num_finished += 1
         with self._cond:
             self._active.discard(req.request_id)

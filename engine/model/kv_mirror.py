@@ -40,7 +40,7 @@ equal the pool's K/V of the request's blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -151,6 +151,9 @@ class KVMirrors:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._spare: list[_Entry] = []  # buffers of forgotten mirrors, for reuse
+        self.others: list[Callable[[], int]] = []
+        """Bytes held by other mirrors within the same budget
+        (:class:`~engine.model.packed_mirror.PackedMirrors`)."""
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +162,21 @@ class KVMirrors:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _used(self) -> int:
+        return self.nbytes + sum(other() for other in self.others)
+
+    def make_room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit the budget, after evicting spare buffers, then
+        least recently used mirrors, as far as that helps (nothing when it cannot)."""
+        if sum(other() for other in self.others) + need > self.budget_bytes:
+            return False
+        while (self._spare or self._entries) and self._used() + need > self.budget_bytes:
+            if self._spare:
+                self._spare.pop(0)
+            else:
+                self._entries.popitem(last=False)
+        return self._used() + need <= self.budget_bytes
 
     def use(self, key: str, block_ids: Sequence[int], row: int, start: int, end: int, length: int,
             ) -> MirrorUse | None:
@@ -190,7 +208,7 @@ class KVMirrors:
         if entry.length != length:
             entry.stretch(length)
         self._entries[key] = entry
-        while self._spare and self.nbytes > self.budget_bytes:  # the buffer it left
+        while self._spare and self._used() > self.budget_bytes:  # the buffer it left
             self._spare.pop(0)
         fill_from = min(entry.valid, start)
         if fill_from == 0 < start:  # a new mirror: the padded table, as attention would gather it
@@ -216,13 +234,8 @@ class KVMirrors:
         rows = lay.num_layers * lay.kv_heads
         numel = rows * (length + HEADROOM) * lay.head_dim
         need = 2 * numel * torch.empty((), dtype=lay.dtype).element_size()
-        if need > self.budget_bytes:
+        if not self.make_room(need):
             return None
-        while (self._spare or self._entries) and self.nbytes + need > self.budget_bytes:
-            if self._spare:
-                self._spare.pop(0)
-            else:
-                self._entries.popitem(last=False)
         return _Entry(torch.zeros(numel, dtype=lay.dtype), torch.zeros(numel, dtype=lay.dtype), rows, lay.head_dim)
 
     def forget(self, key: str) -> None:

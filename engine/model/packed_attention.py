@@ -27,26 +27,43 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.packed_kv import PackedKV
+from engine.model.packed_mirror import PackedMirrors
 from engine.model.pyramid import AttentionCapture, PyramidSchedule, keep_chunk
 
 
 @dataclass(frozen=True)
 class _LayerTables:
-    kv_rows: torch.Tensor  # [kv_heads * n * pages], head-major, for the gather
-    pages: int
-    hidden: torch.Tensor  # [1, n, 1, pages * block_size]: padding past each count
-    new_rows: torch.Tensor  # [n * kv_heads], sequence-major: the new token's row per head in the flat storage
+    kv_rows: torch.Tensor | None  # [n * kv_heads * pages], sequence-major, for the gather (None: mirrored)
+    length: int  # keys attended: the pages' positions, or the mirror's capacity
+    hidden: torch.Tensor  # [n, 1, 1, length]: padding past each count
+    new_rows: torch.Tensor  # [n * kv_heads]: the new token's row per head in the flat storage
+    mirror_rows: torch.Tensor | None  # [n * kv_heads]: the same in the layer's flat mirror
 
 
 class PackedDecodes:
     """The single-token compressed sequences of one forward; their tables are built for
-    all layers at once (a few tensor ops per layer, whatever the batch)."""
+    all layers at once (a few tensor ops per layer, whatever the batch).
 
-    def __init__(self, rows: Sequence[int], packed: Sequence[PackedKV]) -> None:
+    With ``mirrors`` (:mod:`engine.model.packed_mirror`) holding them, attention reads
+    their K/V from the mirrors' first slots in place; otherwise it gathers them from
+    the pages. The products see the same keys and values either way, in the same
+    shapes: the same bits."""
+
+    def __init__(self, rows: Sequence[int], packed: Sequence[PackedKV], mirrors: PackedMirrors | None = None,
+                 keys: Sequence[str] | None = None) -> None:
         """Sequence ``i`` sits at batch row ``rows[i]``; its pages must hold room for the
-        new token in every layer (:meth:`PackedKV.fill` with 1)."""
-        self.rows = torch.tensor(list(rows), dtype=torch.long)
-        self.packed = list(packed)
+        new token in every layer (:meth:`PackedKV.fill` with 1). ``keys[i]``: its request
+        id, its slot's name in ``mirrors``."""
+        slots = mirrors.use(keys, packed) if mirrors is not None and keys is not None else None
+        order = sorted(range(len(packed)), key=lambda i: slots[i]) if slots is not None else range(len(packed))
+        self.rows = torch.tensor([rows[i] for i in order], dtype=torch.long)
+        self.packed = [packed[i] for i in order]
+        self.mirrors = mirrors if slots is not None else None
+        self.slots = [slots[i] for i in order] if slots is not None else None
+        """Each sequence's mirror slot (increasing), or None: gathered."""
+        self.width = self.slots[-1] + 1 if self.slots is not None else len(self.packed)
+        """Sequences attended per layer: the mirror's slots up to the last one used
+        (a slot in between that does not decode now is attended and ignored)."""
         storage = self.packed[0].storage
         self.storage = storage
         lay = storage.layout
@@ -59,51 +76,87 @@ class PackedDecodes:
         new_page = tables.gather(2, (counts // bs)[..., None])[..., 0]  # [n, layers]
         where, slot = new_page // stride, (new_page % stride) * bs + counts % bs
         base = (tables // stride) * (lay.kv_heads * stride) + tables % stride
-        heads = torch.arange(lay.kv_heads, dtype=torch.long)[:, None, None] * stride
+        heads = torch.arange(lay.kv_heads, dtype=torch.long)[None, :, None] * stride
         # rows of all_keys.view(-1, head_dim): [layers, kv_heads, stride * bs] rows
         new_rows = ((where[:, :, None] * lay.kv_heads + torch.arange(lay.kv_heads)) * (stride * bs)
                     + slot[:, :, None])  # [n, layers, kv_heads]
+        seq = torch.tensor(self.slots if self.slots is not None else range(len(self.packed)), dtype=torch.long)
         self.layers: list[_LayerTables] = []
         for layer, pages in enumerate(pages_used):
-            kv_rows = (heads + base[None, :, layer, :pages]).reshape(-1)
-            hidden = torch.arange(pages * bs)[None, :] > counts[:, layer, None]
-            self.layers.append(_LayerTables(kv_rows, pages, hidden[None, :, None, :],
-                                            new_rows[:, layer].reshape(-1)))
-        self.scores = torch.zeros((lay.num_layers, len(self.packed), max(pages_used) * bs))
-        """Per layer and sequence, the attention paid to each packed token (float32)."""
+            # a mirror is attended whole: its capacity, a multiple of the block size
+            length = self.mirrors.capacity(layer) if self.mirrors is not None else pages * bs
+            hidden = torch.arange(length)[None, :] > counts[:, layer, None]
+            if self.width > len(self.packed):  # slots not decoding now: attend everything, ignored
+                full = torch.zeros((self.width, length), dtype=torch.bool)
+                full[seq] = hidden
+                hidden = full
+            mirror_rows, kv_rows = None, None
+            if self.mirrors is not None:
+                mirror_rows = ((seq[:, None] * lay.kv_heads + torch.arange(lay.kv_heads)) * length
+                               + counts[:, layer, None]).reshape(-1)
+            else:
+                kv_rows = (heads + base[:, None, layer, :pages]).reshape(-1)
+            self.layers.append(_LayerTables(kv_rows, length, hidden[:, None, None, :],
+                                            new_rows[:, layer].reshape(-1), mirror_rows))
+        self.scores = torch.zeros((lay.num_layers, self.width, max(t.length for t in self.layers)))
+        """Per layer and attended sequence, the attention paid to each packed token (float32)."""
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
-        """Write these rows' new K/V into their packed slots of ``layer``, then attend
-        their queries (``[T, heads, head_dim]`` batch tensors) into ``out``'s rows."""
+        """Write these rows' new K/V into their packed slots of ``layer`` (and mirror
+        slots), then attend their queries (``[T, heads, head_dim]`` batch tensors) into
+        ``out``'s rows."""
         lay = self.storage.layout
         t = self.layers[layer]
         kv_heads, head_dim, bs = lay.kv_heads, lay.head_dim, lay.block_size
-        n = self.rows.numel()
-        self.storage.all_keys.view(-1, head_dim).index_copy_(0, t.new_rows, key[self.rows].view(-1, head_dim))
-        self.storage.all_values.view(-1, head_dim).index_copy_(0, t.new_rows, value[self.rows].view(-1, head_dim))
-        keys = torch.index_select(self.storage.all_keys.view(-1, bs, head_dim), 0, t.kv_rows)
-        values = torch.index_select(self.storage.all_values.view(-1, bs, head_dim), 0, t.kv_rows)
-        length = t.pages * bs
-        keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
+        n, width = self.rows.numel(), self.width
+        new_keys, new_values = key[self.rows].view(-1, head_dim), value[self.rows].view(-1, head_dim)
+        self.storage.all_keys.view(-1, head_dim).index_copy_(0, t.new_rows, new_keys)
+        self.storage.all_values.view(-1, head_dim).index_copy_(0, t.new_rows, new_values)
+        length = t.length
+        if self.mirrors is not None:
+            assert t.mirror_rows is not None
+            mk, mv = self.mirrors.keys[layer], self.mirrors.values[layer]
+            mk.view(-1, head_dim).index_copy_(0, t.mirror_rows, new_keys)
+            mv.view(-1, head_dim).index_copy_(0, t.mirror_rows, new_values)
+            # the first slots, whole (a contiguous view: bmm copies a strided one)
+            keys = mk[:width].view(width * kv_heads, length, head_dim)
+            values = mv[:width].view(width * kv_heads, length, head_dim)
+        else:
+            assert t.kv_rows is not None
+            keys = torch.index_select(self.storage.all_keys.view(-1, bs, head_dim), 0, t.kv_rows)
+            values = torch.index_select(self.storage.all_values.view(-1, bs, head_dim), 0, t.kv_rows)
+            keys, values = keys.view(n * kv_heads, length, head_dim), values.view(n * kv_heads, length, head_dim)
         heads = query.shape[1]
         groups = heads // kv_heads
-        q = (query[self.rows] * scale).view(n, kv_heads, groups, head_dim).transpose(0, 1)
+        q = query[self.rows] * scale
+        if width > n:
+            wide = q.new_zeros((width, heads, head_dim))
+            wide[torch.tensor(self.slots)] = q
+            q = wide
+        q = q.view(width * kv_heads, groups, head_dim)
         # K @ q^T with K contiguous is ~1.4x faster than q @ K^T through a transposed view
-        scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2).contiguous()  # [kv_heads, n, groups, length]
+        scores = torch.bmm(keys, q.transpose(-1, -2)).transpose(-1, -2).contiguous()
+        scores = scores.view(width, kv_heads, groups, length)
         scores.masked_fill_(t.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         # over groups (contiguous rows) then heads: ~8x cheaper than one sum over both
-        torch.sum(probs.sum(dim=2, dtype=torch.float32), dim=0, out=self.scores[layer, :, :length])
-        chunk = torch.matmul(probs, values)  # [kv_heads, n, groups, head_dim]
-        out.index_copy_(0, self.rows, chunk.transpose(0, 1).reshape(n, heads * head_dim))
+        torch.sum(probs.sum(dim=2, dtype=torch.float32), dim=1, out=self.scores[layer, :, :length])
+        chunk = torch.bmm(probs.view(width * kv_heads, groups, length), values)  # [width * kv_heads, groups, head_dim]
+        chunk = chunk.view(width, heads * head_dim)
+        if width > n:
+            chunk = chunk[torch.tensor(self.slots)]
+        out.index_copy_(0, self.rows, chunk)
 
     def advance(self) -> None:
         """After the forward: every layer of every sequence holds one more token, and the
         attention its query paid is added to its scores."""
-        for i, p in enumerate(self.packed):
+        where = self.slots if self.slots is not None else range(len(self.packed))
+        for i, p in zip(where, self.packed, strict=True):
             p.counts = [c + 1 for c in p.counts]
             p.add_scores(self.scores[:, i])
+        if self.mirrors is not None and self.slots is not None:
+            self.mirrors.advanced(self.slots)
 
 
 class PackedChunk:

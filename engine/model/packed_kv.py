@@ -53,6 +53,10 @@ class PackedKV:
         """``pages`` as a tensor ``[layers, capacity]``, padded with the pad block's page."""
         self.scores = torch.zeros((self.num_layers, 0))
         self.since_selection = 0
+        self.version = 0
+        """Bumped by every change of the pages' contents except a decode's new token
+        (:meth:`write`, :meth:`reselect`): a copy made at another version is stale
+        (:mod:`engine.model.packed_mirror`)."""
 
     @staticmethod
     def blocks_for(counts: Sequence[int], block_size: int) -> int:
@@ -129,6 +133,7 @@ class PackedKV:
         more, dropped from :attr:`blocks` (the caller gives them back to the pool).
         Resets the scores."""
         data = [self.read(layer, idx) for layer, idx in enumerate(keep)]
+        self.version += 1
         self.counts = [int(idx.numel()) for idx in keep]
         need = self.blocks_for(self.counts, self.block_size)
         kept, released = self.blocks[:need], self.blocks[need:]
@@ -163,6 +168,7 @@ class PackedKV:
         """Store ``keys``/``values`` (``[n, kv_heads, head_dim]``) as layer ``layer``'s
         tokens ``first ..`` (their pages must exist: :meth:`fill`)."""
         lay = self.storage.layout
+        self.version += 1
         where, slot = self.slots(layer, first, keys.shape[0])
         shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
         self.storage.all_keys.view(shape)[where, :, slot] = keys

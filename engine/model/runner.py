@@ -45,6 +45,7 @@ from engine.model.kv_mirror import KVMirrors, MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
+from engine.model.packed_mirror import PackedMirrors
 from engine.model.pyramid import AttentionCapture, PyramidSchedule
 from engine.model.q4_weights import Q4Matrix
 
@@ -81,7 +82,8 @@ class SequenceInput:
     mirror: str | None = None
     """The request's id when its K/V at a position depend only on its tokens up to
     there (exact, not assembled from modules): a long one is then read from its mirror
-    (:mod:`engine.model.kv_mirror`); None: always gathered."""
+    (:mod:`engine.model.kv_mirror`); a compressed one's decodes from its packed mirror
+    (:mod:`engine.model.packed_mirror`); None: always gathered."""
     joins: bool = False
     """Attended as one slice with the previous sequence (the same request and block
     table, later positions, which did not sample): a segmented request's runs, whose
@@ -115,8 +117,11 @@ class ModelRunner:
         self.model = model
         self.storage = storage
         self.mirrors = KVMirrors(storage, mirror_bytes)
-        """Long requests' K/V, contiguous (:mod:`engine.model.kv_mirror`); the engine
-        forgets a request's mirror when it finishes or is preempted."""
+        """Long requests' K/V, contiguous (:mod:`engine.model.kv_mirror`)."""
+        self.packed_mirrors = PackedMirrors(storage, self.mirrors)
+        """Compressed requests' packed K/V, side by side for their decodes
+        (:mod:`engine.model.packed_mirror`), within the same budget. The engine forgets
+        a request's mirrors (:meth:`forget`) when it finishes or is preempted."""
         self.lean = llama.supports(model) if lean is None else lean
         self._llama: llama.LlamaForward | None = None
         self._linears: linear.TiledLinears | None = None
@@ -130,6 +135,11 @@ class ModelRunner:
         else:
             attention.install(model)
             self._linears = linear.TiledLinears(model)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's mirrors (it finished, was preempted, or changed form)."""
+        self.mirrors.forget(request_id)
+        self.packed_mirrors.forget(request_id)
 
     def execute(self, sequences: Sequence[SequenceInput]) -> torch.Tensor:
         """Run one forward over ``sequences``; returns ``[n, vocab]`` float32 logits, one
@@ -147,6 +157,7 @@ class ModelRunner:
         embed_values: list[torch.Tensor] = []
         packed_rows: list[int] = []
         packed: list[PackedKV] = []
+        packed_keys: list[str] | None = []
         packed_chunks: list[PackedChunk] = []
         joined: _Joined | None = None  # the slice being built, closed by the next sequence that does not join it
         sampled: list[tuple[int, int]] = []  # (sequence index, logit row): rows in sequence order at the end
@@ -209,6 +220,10 @@ class ModelRunner:
                 if n == 1:
                     packed_rows.append(row)
                     packed.append(seq.packed)
+                    if packed_keys is not None and seq.mirror is not None:
+                        packed_keys.append(seq.mirror)
+                    else:
+                        packed_keys = None
                 else:
                     packed_chunks.append(PackedChunk(row, n, seq.packed, seq.capture,
                                                      seq.layerwise if layerwise[index] else None, end))
@@ -236,7 +251,7 @@ class ModelRunner:
             logit_rows = [0] * multiple
         prompt_at = self._add_prompt_rows(sequences, starts, logit_rows)
         batch = AttentionBatch(storage, torch.tensor(slots, dtype=torch.long), slices, groups,
-                               PackedDecodes(packed_rows, packed) if packed else None, packed_chunks)
+                               PackedDecodes(packed_rows, packed, self.packed_mirrors, packed_keys) if packed else None, packed_chunks)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(logit_rows, dtype=torch.long)

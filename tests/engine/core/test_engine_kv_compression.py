@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.forced_tokens import ForcedTokens
-from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.core.llm_engine import GenerationRequest, SamplingParams
 from engine.core.output_stream import OutputStream
 
 _ids = itertools.count()
@@ -21,40 +21,6 @@ BS = 16
 
 def prompt_of(n, offset=0):
     return [100 + ((i * 11 + offset) % 4000) for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def deep_model(bundled_tokenizer):
-    """A 6-layer tiny Llama: enough depth for retention to fall."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=len(bundled_tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, eos_token_id=bundled_tokenizer.eos_token_id)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
-
-
-@pytest.fixture
-def make_engine(deep_model, bundled_tokenizer):
-    engines = []
-
-    def make(started=True, **overrides):
-        settings = {"kv_cache_memory_gib": 0.004, "seed": 0, "kv_compression": "pyramid",
-                    "served_model_name": "tiny"}
-        settings.update(overrides)
-        engine = LLMEngine(deep_model, bundled_tokenizer, EngineConfig(**settings))
-        if started:
-            engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
-        kv = engine.kv_cache_manager
-        kv.check_integrity()
-        assert kv.num_free_blocks == kv.num_blocks and not kv.packed
 
 
 def run(engine, prompt, *, salt=None, mode=None, **params):

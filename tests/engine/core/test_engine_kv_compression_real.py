@@ -57,3 +57,28 @@ def test_compressed_decoding_on_the_real_model(real_engine):
     ratio = math.exp(mean_nll(forced_pyramid)) / math.exp(mean_nll(forced_exact))
     print(f"perplexity ratio at min retention {default.min_retention}: {ratio:.3f}")
     assert ratio < 1.35  # benchmarks/kv_compression.py: 1.04x at 2k-token prompts, 3 documents
+
+
+@pytest.mark.skipif(not TEXT.exists(), reason="no licence text on this machine")
+def test_mirrored_compressed_decodes_give_the_gathered_tokens_on_the_real_model(real_engine, monkeypatch):
+    """Packed mirrors (engine/model/packed_mirror.py) change where decode attention
+    reads a compressed request's K/V, not its values: greedy tokens equal, bfloat16."""
+    engine = real_engine
+    ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    prompts = [ids[:900], ids[300:1100]]
+    mirrors = engine.runner.packed_mirrors
+    used = []
+    use = mirrors.use
+
+    def counting(keys, packed):
+        slots = use(keys, packed)
+        used.append(slots is not None)
+        return slots
+
+    monkeypatch.setattr(mirrors, "use", counting)
+    mirrored = [tokens_of(run(engine, p, "pyramid", f"mirror-{i}", max_tokens=40)) for i, p in enumerate(prompts)]
+    assert used and all(used)
+    monkeypatch.setattr(mirrors, "use", lambda keys, packed: None)
+    gathered = [tokens_of(run(engine, p, "pyramid", f"gather-{i}", max_tokens=40)) for i, p in enumerate(prompts)]
+    assert mirrored == gathered
+    assert not len(mirrors)
