@@ -235,7 +235,7 @@ def prefill_time(engine: LLMEngine, docs: dict[str, list[int]], runs: int, chunk
 
 def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window: int,
                threads: int | None, bytes_per_block: int, distinct: bool, modes: list[str],
-               chunk: int | None) -> dict[str, Any]:
+               chunk: int | None, batched_tokens: int | None = None) -> dict[str, Any]:
     bs = 16
     per_request = -(-(CONTEXT + tokens) // bs)
     names = list(docs)
@@ -247,9 +247,11 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
         tails = [t for d in list(docs.values())[1:] for t in d]
         prompts = [shared + tails[i * TAIL : (i + 1) * TAIL] for i in range(STREAMS)]
     gib = (4 * per_request + 8) * bytes_per_block / 2**30
-    engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=gib, seed=0, num_threads=threads,
+    budget = {} if batched_tokens is None else {"max_num_batched_tokens": batched_tokens}
+    engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=gib, seed=0, num_threads=threads, **budget,
                                            kv_min_retention=retention, kv_window=window))
     out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
+                           "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                            "streams": STREAMS, "output_tokens_each": tokens}
     running: list[int] = []
     steps: list[tuple[float, bool]] = []  # (when a step was scheduled, whether it prefills)
@@ -329,6 +331,8 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["a", "b", "c", "d", "e"],
                         help="parts to skip (d: part (c) with 16 distinct prompts; e: one prompt's time "
                         "to the first token per mode)")
+    parser.add_argument("--batched-tokens", type=int, default=None,
+                        help="the engine's max_num_batched_tokens in (c) and (d) (default: the engine's)")
     parser.add_argument("--runs", type=int, default=5, help="runs per mode in (e)")
     args = parser.parse_args()
     result: dict[str, Any] = {"benchmark": "kv_compression", "machine": {"cpus": os.cpu_count(),
@@ -352,11 +356,12 @@ def main() -> int:
     if "c" not in args.skip:
         result["throughput"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
                                           args.threads, bytes_per_block, distinct=False, modes=args.modes,
-                                          chunk=args.chunk)
+                                          chunk=args.chunk, batched_tokens=args.batched_tokens)
     if "d" not in args.skip:
         result["throughput_distinct"] = throughput(docs, args.tokens, args.throughput_retention, args.window,
                                                    args.threads, bytes_per_block, distinct=True,
-                                                   modes=args.modes, chunk=args.chunk)
+                                                   modes=args.modes, chunk=args.chunk,
+                                                   batched_tokens=args.batched_tokens)
     result["load_avg_after"] = os.getloadavg()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))

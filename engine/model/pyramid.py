@@ -30,6 +30,7 @@ blocks of a long prompt are never all held. So a layer holds at most ``keep(leng
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -108,21 +109,44 @@ class PyramidSchedule:
     def held_counts(self, prefill_tokens: int, total_tokens: int, num_layers: int) -> list[int]:
         """The most tokens each layer of a request whose prefill ends at ``prefill_tokens``
         holds while it grows to ``total_tokens``: with re-selection, what the last
-        selection kept plus the ``window`` decoded since (or a progressive chunk, the
-        rows a layer computes of it when layer-wise); without, the prefill's selection
-        plus every decoded token (or a chunk)."""
-        if not self.progressive:
-            chunk = [0] * num_layers  # while prefilling
-        elif self.layerwise:
-            chunk = self.chunk_rows(max(self.window, self.chunk), num_layers)
-        else:
-            chunk = [max(self.window, self.chunk)] * num_layers
-        at_prefill = self.keep_counts(prefill_tokens, num_layers)
+        selection kept plus the ``window`` decoded since, or while a progressive chunk
+        is computed (:meth:`chunk_peaks`); without, the prefill's selection plus every
+        decoded token (or a chunk)."""
         if self.reselect:
-            return [min(total_tokens, max(p + c, keep + self.window))
-                    for p, c, keep in zip(at_prefill, chunk, self.keep_counts(total_tokens, num_layers), strict=True)]
+            peaks = self.chunk_peaks(prefill_tokens, num_layers) if self.progressive else [0] * num_layers
+            return [min(total_tokens, max(p, keep + self.window))
+                    for p, keep in zip(peaks, self.keep_counts(total_tokens, num_layers), strict=True)]
+        chunk = [max(self.window, self.chunk) if self.progressive else 0] * num_layers
         return [min(total_tokens, keep + max(total_tokens - prefill_tokens, c))
-                for keep, c in zip(at_prefill, chunk, strict=True)]
+                for keep, c in zip(self.keep_counts(prefill_tokens, num_layers), chunk, strict=True)]
+
+    def chunk_peaks(self, prefill_tokens: int, num_layers: int) -> list[int]:
+        """Per layer, the most tokens it holds while a progressive prefill ending at
+        ``prefill_tokens`` computes a chunk: what the selection before the chunk kept
+        (``keep_counts(start)``) plus the chunk's rows it writes (all of them, or
+        layer-wise :meth:`chunk_rows`), over every chunk of ``n <= max(window, chunk)``
+        tokens that can start at ``start <= prefill_tokens - n``. Layer-wise, a longer
+        chunk starts earlier: its rows in a deep layer grow by about that layer's
+        retention as what was kept before it shrinks by about the same."""
+        return list(_chunk_peaks(self, prefill_tokens, num_layers))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_peaks(schedule: PyramidSchedule, prefill_tokens: int, num_layers: int) -> tuple[int, ...]:
+    """:meth:`PyramidSchedule.chunk_peaks`, over all chunk sizes at once (float64, the
+    same rounding as :meth:`~PyramidSchedule.keep_counts` and :meth:`~PyramidSchedule.chunk_quota`)."""
+    size = min(max(schedule.window, schedule.chunk), prefill_tokens)
+    n = torch.arange(1, size + 1, dtype=torch.float64)
+    before = prefill_tokens - n
+    peaks = []
+    rows = n
+    for layer in range(num_layers):
+        r = schedule.retention(layer, num_layers)
+        kept = torch.minimum(before, torch.clamp(torch.ceil(r * before), min=schedule.window))
+        peaks.append(int((kept + rows).max()) if size else 0)
+        if schedule.layerwise:  # the next layer computes what this one's quota keeps of the chunk
+            rows = torch.minimum(rows, torch.minimum(n, torch.clamp(torch.ceil(r * n), min=schedule.window)))
+    return tuple(peaks)
 
 
 @dataclass

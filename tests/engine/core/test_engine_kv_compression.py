@@ -254,7 +254,8 @@ def test_reselection_keeps_the_recent_window_and_the_most_attended():
     assert {1, 7, 9, 16, 17, 18, 19} <= set(deepest) and deepest == sorted(deepest)
     assert PyramidSchedule(0.25, 4).held_counts(40, 50, 3) == [50, 26, 17]
     assert PyramidSchedule(0.25, 4, reselect=False).held_counts(40, 50, 3) == [50, 28, 20]
-    assert PyramidSchedule(0.25, 4, progressive=True, chunk=8).held_counts(40, 50, 3) == [50, 26, 18]
+    # an 8-token chunk ending at 40 starts at 32, where layer 2 kept 8: 16 < 13 + 4 decoded
+    assert PyramidSchedule(0.25, 4, progressive=True, chunk=8).held_counts(40, 50, 3) == [50, 26, 17]
 
 
 def test_compressed_requests_are_admitted_by_what_they_hold(make_engine):
@@ -499,8 +500,9 @@ def test_layerwise_selection_keeps_the_chunks_quota_and_the_best_older_tokens():
     assert [schedule.chunk_quota(layer, 40, 3) for layer in range(3)] == [40, 18, 10]  # 1.0, 0.4375, 0.25
     assert schedule.chunk_rows(40, 3) == [40, 40, 18]
     assert schedule.chunk_rows(6, 3) == [6, 6, 4]  # never below the window, never above the chunk
-    # while prefilling, a layer holds its kept tokens plus the rows it computes of a chunk
-    assert schedule.held_counts(40, 50, 3) == [50, 50, 28]
+    # while prefilling, a layer holds its kept tokens plus the rows it computes of a chunk:
+    # layer 1 at most the 40 of a chunk from 0; layer 2 the 4 it keeps at 4 + 16 of a 36-token chunk
+    assert schedule.held_counts(40, 50, 3) == [50, 40, 20]
     scores = torch.tensor([5.0, 0.0, 9.0, 1.0, 7.0, 0.5] + [3.0, 8.0, 0.0, 0.0, 2.0, 0.0] + [0.0] * 4)
     keep = keep_chunk(scores, 6, 10, 8, 5, schedule)
     assert keep.tolist() == [0, 2, 4, 7, 12, 13, 14, 15]  # 3 best old, the chunk's best + its window
@@ -524,3 +526,48 @@ def test_a_layerwise_request_preempted_mid_prefill_starts_again_and_leaks_nothin
         kv.check_integrity()
     assert len(req.kv.output_token_ids) == 10 and engine.num_compressed == 2
     assert kv.num_free_blocks == kv.num_blocks and not kv.packed
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["progressive", "layerwise"])
+@pytest.mark.parametrize(("retention", "window", "chunk"), [(0.2, 32, 512), (0.25, 16, 48), (0.5, 8, 128), (1.0, 4, 64)])
+def test_chunk_peaks_are_the_most_any_chunk_makes_a_layer_hold(layerwise, retention, window, chunk):
+    from engine.model.pyramid import PyramidSchedule
+
+    schedule = PyramidSchedule(retention, window, progressive=True, layerwise=layerwise, chunk=chunk)
+    for prefill in (window, 200, 1000, 2048, 2049):
+        by_hand = [0] * 6
+        for n in range(1, min(max(window, chunk), prefill) + 1):  # a chunk of n tokens starting at prefill - n
+            rows = schedule.chunk_rows(n, 6) if layerwise else [n] * 6
+            before = schedule.keep_counts(prefill - n, 6)
+            by_hand = [max(p, b + r) for p, b, r in zip(by_hand, before, rows, strict=True)]
+        assert schedule.chunk_peaks(prefill, 6) == by_hand, prefill
+        # never more than the prefill's selection plus a whole chunk (the bound before)
+        assert all(p <= k + max(window, chunk) for p, k in zip(by_hand, schedule.keep_counts(prefill, 6), strict=True))
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["progressive", "layerwise"])
+def test_progressive_requests_hold_no_more_than_they_reserved(make_engine, monkeypatch, layerwise):
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8, max_num_batched_tokens=64),
+                         min_tokens=64, layerwise=layerwise, chunk=64)
+    kv, sched, runner = engine.kv_cache_manager, engine.scheduler, engine.runner
+    reqs = add_by_hand(engine, [GenerationRequest(f"res{i}", prompt_of(500 + 90 * i, offset=7 * i),
+                                                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+                                for i in range(3)])
+    execute, seen = runner.execute, []
+
+    def checked(inputs):  # the pages of this step's chunks are taken: the most a request holds
+        for req in reqs:
+            if req in sched.running and req.packed is not None:
+                seen.append(len(req.packed.blocks) / req.reserved)
+                assert len(kv.get_block_ids(req.request_id)) <= req.reserved
+                held = engine.pyramid.held_counts(req.num_prompt_tokens, req.num_prompt_tokens + 4, 6)
+                assert all(len(pages) <= -(-h // BS) for pages, h in zip(req.packed.pages, held, strict=True))
+        return execute(inputs)
+
+    monkeypatch.setattr(runner, "execute", checked)
+    while sched.has_work():
+        engine.step()
+        kv.check_integrity()
+        assert sched.reserved_blocks <= sched.num_blocks
+    assert engine.num_compressed == 3
+    assert max(seen) > 0.9  # the reservation is what a chunk needs, not much more
