@@ -117,9 +117,10 @@ def add_parser(subparsers: Any) -> None:
                         "rest; also how often decoding selects again (default: 32)")
     parser.add_argument("--kv-mirror-memory", type=_non_negative_float, default=DEFAULT_KV_MIRROR_MEMORY_GIB,
                         metavar="GIB",
-                        help="memory for contiguous copies of long requests' K/V (1k+ tokens), which "
-                        "attention reads instead of gathering them from the paged cache every step; 0 turns "
-                        f"them off; outputs are the same either way (default: {DEFAULT_KV_MIRROR_MEMORY_GIB})")
+                        help="memory for contiguous copies of long requests' K/V (1k+ tokens) and of "
+                        "compressed requests' kept K/V, which attention reads instead of gathering them from "
+                        "the paged cache every step; 0 turns them off; outputs are the same either way "
+                        f"(default: {DEFAULT_KV_MIRROR_MEMORY_GIB})")
     parser.add_argument("--kv-progressive", action="store_true",
                         help="pyramid: compress a long prompt as soon as its first chunk reaches 128 tokens "
                         "and compute the rest over the kept KV, chunk by chunk, selecting again after each "

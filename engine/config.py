@@ -42,8 +42,9 @@ class EngineConfig:
     ``kv_layerwise`` (implies ``kv_progressive``) computes each of those chunks' tokens
     only in the layers up to the last one that keeps it (PyramidInfer's prefill).
     ``kv_mirror_memory_gib``: at most this much memory for contiguous copies of long
-    requests' K/V, read by attention instead of gathering them from the pool each step
-    (:mod:`engine.model.kv_mirror`; 0 turns them off; outputs are the same either way).
+    requests' K/V and of compressed requests' kept K/V, read by attention instead of
+    gathering them from the pool each step (:mod:`engine.model.kv_mirror`,
+    :mod:`engine.model.packed_mirror`; 0 turns them off; outputs are the same either way).
     """
 
     model: str | None = None

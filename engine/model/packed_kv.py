@@ -131,8 +131,12 @@ class PackedKV:
         """Keep only layer ``l``'s tokens at packed indices ``keep[l]`` (sorted), repacked
         from the first page of the first block on; returns the blocks no page needs any
         more, dropped from :attr:`blocks` (the caller gives them back to the pool).
-        Resets the scores."""
-        data = [self.read(layer, idx) for layer, idx in enumerate(keep)]
+        Resets the scores. Every layer's kept K/V are copied out in one gather and back
+        in one scatter (per layer, ~0.4 ms of 2-dimensional indexing each way)."""
+        hd = self.storage.layout.head_dim
+        flat_keys, flat_values = self.storage.all_keys.view(-1, hd), self.storage.all_values.view(-1, hd)
+        source = torch.cat([self.rows(layer, idx) for layer, idx in enumerate(keep)])
+        keys, values = torch.index_select(flat_keys, 0, source), torch.index_select(flat_values, 0, source)
         self.version += 1
         self.counts = [int(idx.numel()) for idx in keep]
         need = self.blocks_for(self.counts, self.block_size)
@@ -142,34 +146,38 @@ class PackedKV:
         self.table.fill_(self.storage.pad_block)
         self.add_blocks(kept)
         self.fill()
-        self.load(data)
+        target = torch.cat([self.rows(layer, torch.arange(count)) for layer, count in enumerate(self.counts)])
+        flat_keys.index_copy_(0, target, keys)
+        flat_values.index_copy_(0, target, values)
         self.scores = torch.zeros((self.num_layers, 0))
         self.since_selection = 0
         return released
+
+    def rows(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
+        """Where layer ``layer``'s packed tokens ``indices`` live: their rows of the flat
+        ``storage.all_keys.view(-1, head_dim)`` (and of the values), token by token, each
+        token's KV heads in order (``[len(indices) * kv_heads]``)."""
+        lay = self.storage.layout
+        bs, stride = self.block_size, self.stride
+        pages = self.table[layer][indices // bs]
+        where, slot = pages // stride, (pages % stride) * bs + indices % bs
+        heads = torch.arange(lay.kv_heads, dtype=torch.long)
+        return ((where[:, None] * lay.kv_heads + heads) * (stride * bs) + slot[:, None]).reshape(-1)
 
     def read(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of layer ``layer``'s keys and values at packed ``indices``
         (``[n, kv_heads, head_dim]`` each)."""
         lay = self.storage.layout
-        where, slot = self.slots(layer, 0, self.counts[layer])
-        where, slot = where[indices], slot[indices]
-        shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
-        return self.storage.all_keys.view(shape)[where, :, slot], self.storage.all_values.view(shape)[where, :, slot]
-
-    def slots(self, layer: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where layer ``layer``'s tokens ``first .. first + n - 1`` live: (storage layer
-        index, slot within that layer) per token, for :meth:`write`."""
-        bs, stride = self.block_size, self.stride
-        idx = torch.arange(first, first + n)
-        pages = self.table[layer][idx // bs]
-        return pages // stride, (pages % stride) * bs + idx % bs
+        rows = self.rows(layer, indices)
+        shape = (indices.numel(), lay.kv_heads, lay.head_dim)
+        return (torch.index_select(self.storage.all_keys.view(-1, lay.head_dim), 0, rows).view(shape),
+                torch.index_select(self.storage.all_values.view(-1, lay.head_dim), 0, rows).view(shape))
 
     def write(self, layer: int, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` (``[n, kv_heads, head_dim]``) as layer ``layer``'s
         tokens ``first ..`` (their pages must exist: :meth:`fill`)."""
-        lay = self.storage.layout
+        hd = self.storage.layout.head_dim
         self.version += 1
-        where, slot = self.slots(layer, first, keys.shape[0])
-        shape = (lay.num_layers, lay.kv_heads, self.stride * lay.block_size, lay.head_dim)
-        self.storage.all_keys.view(shape)[where, :, slot] = keys
-        self.storage.all_values.view(shape)[where, :, slot] = values
+        rows = self.rows(layer, torch.arange(first, first + keys.shape[0]))
+        self.storage.all_keys.view(-1, hd).index_copy_(0, rows, keys.reshape(-1, hd))
+        self.storage.all_values.view(-1, hd).index_copy_(0, rows, values.reshape(-1, hd))
