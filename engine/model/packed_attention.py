@@ -188,6 +188,7 @@ class PackedChunk:
         self.added = [n] * len(self.counts)
         """Per layer, the chunk tokens it computed (and holds until the next selection)."""
         self.targets: list[int] | None = None
+        self._masks: dict[int, torch.Tensor] = {}
         self.schedule = schedule
         if schedule is not None and capture is not None and total is not None:
             self.targets = schedule.keep_counts(total, len(self.counts))
@@ -211,15 +212,25 @@ class PackedChunk:
             kv_heads, length, head_dim)
         heads = query.shape[1]
         groups = heads // kv_heads
+        # a KV head's query groups as rows of one product: the keys are read once, not
+        # broadcast (copied) per group
         q = (query[r : r + n] * scale).view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(q, keys[:, None].transpose(-1, -2))  # [kv_heads, groups, n, length]
-        hidden = torch.arange(length)[None, :] > (count + torch.arange(n))[:, None]
-        scores.masked_fill_(hidden, float("-inf"))
+        scores = torch.bmm(q.reshape(kv_heads, groups * n, head_dim), keys.transpose(1, 2))
+        grid = scores.view(kv_heads, groups, n, length)
+        grid[..., count + n :] = float("-inf")  # the pages' room past the chunk
+        grid[..., count : count + n].masked_fill_(self._causal(n), float("-inf"))  # the older tokens: all seen
         probs = torch.softmax(scores, dim=-1)
         if self.capture is not None:
-            self.capture.add(layer, probs, 0, n)
-        chunk = torch.matmul(probs, values[:, None])  # [kv_heads, groups, n, head_dim]
+            self.capture.add(layer, probs.view(kv_heads, groups, n, length), 0, n)
+        chunk = torch.bmm(probs, values).view(kv_heads, groups, n, head_dim)
         out[r : r + n] = chunk.permute(2, 0, 1, 3).reshape(n, heads * head_dim)
+
+    def _causal(self, n: int) -> torch.Tensor:
+        """``[n, n]``: chunk token ``j`` is after row ``i`` (built once per row count)."""
+        mask = self._masks.get(n)
+        if mask is None:
+            mask = self._masks[n] = torch.ones((n, n), dtype=torch.bool).triu_(1)
+        return mask
 
     @property
     def layerwise(self) -> bool:
