@@ -6,7 +6,9 @@ positions; its new token is computed at its true position and attends to the
 layer's retained keys plus itself. There is no causal structure left to mask
 inside a layer's retained tokens (all precede the new one), only the padding past
 each request's count. All compressed decodes of a batch are attended together per
-layer: their page tables padded to the longest with the storage's pad page. A prefill
+layer: read in place from their packed mirrors (:mod:`engine.model.packed_mirror`),
+or gathered through their page tables padded to the longest with the storage's pad
+page. A prefill
 chunk of a request already packed (progressive compression) is a :class:`PackedChunk`:
 its tokens go after the layer's kept ones, causal among themselves.
 
@@ -45,9 +47,11 @@ class PackedDecodes:
     all layers at once (a few tensor ops per layer, whatever the batch).
 
     With ``mirrors`` (:mod:`engine.model.packed_mirror`) holding them, attention reads
-    their K/V from the mirrors' first slots in place; otherwise it gathers them from
-    the pages. The products see the same keys and values either way, in the same
-    shapes: the same bits."""
+    their K/V from the mirrors' first slots in place, each slot's whole capacity
+    (masked past its count); otherwise it gathers them from the pages, padded to the
+    longest. The products see the same keys and values either way, in rows of the
+    same layout; only the masked tail differs in length (the same greedy tokens,
+    tested on the tiny model and the bundled one in bfloat16)."""
 
     def __init__(self, rows: Sequence[int], packed: Sequence[PackedKV], mirrors: PackedMirrors | None = None,
                  keys: Sequence[str] | None = None) -> None:

@@ -126,8 +126,9 @@ class PackedMirrors:
             self.keys, self.values = [], []
 
     def _grow(self, rows: int, caps: Sequence[int]) -> bool:
-        """Reallocate for ``rows`` slots of ``caps[l]`` positions per layer, keeping the
-        slots' contents; False when the budget cannot make room."""
+        """Reallocate for ``rows`` slots of ``caps[l]`` positions per layer (the layers
+        whose shape stays are kept as they are), keeping the slots' contents; False when
+        the budget cannot make room."""
         lay = self.storage.layout
         elem = torch.empty((), dtype=lay.dtype).element_size()
         want = 2 * rows * lay.kv_heads * sum(caps) * lay.head_dim * elem
@@ -137,6 +138,10 @@ class PackedMirrors:
         values: list[torch.Tensor] = []
         for layer, cap in enumerate(caps):
             for old, out in ((self.keys, keys), (self.values, values)):
+                if old and old[layer].shape[0] == rows and old[layer].shape[2] == cap:  # this layer as it is
+                    out.append(old[layer])
+                    continue
+                # zeros: every element stays finite (masked positions are multiplied by 0)
                 t = torch.zeros((rows, lay.kv_heads, cap, lay.head_dim), dtype=lay.dtype)
                 if old:
                     n, c = min(rows, old[layer].shape[0]), min(cap, old[layer].shape[2])

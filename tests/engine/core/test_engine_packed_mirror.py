@@ -5,6 +5,8 @@ The engines are driven by hand here, with ``check_integrity()`` after every step
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -70,11 +72,22 @@ def test_slots_stay_dense_as_requests_come_and_go(make_engine):
         assert set(names) <= running  # finished ones left
         seen.append(len(names))
 
+    grown = []
+    grow = mirrors._grow
+
+    def counting(rows, caps):
+        grown.append((rows, list(caps)))
+        return grow(rows, caps)
+
+    mirrors._grow = counting
     short = [GenerationRequest(f"s{i}", prompt_of(200, offset=50 + i),
                                SamplingParams(max_tokens=8 + 9 * i, temperature=0.0, ignore_eos=True))
              for i in range(3)]
     drive(engine, [*requests(2, tokens=50), *short], on_step=watch)
     assert max(seen) >= 3
+    # grown for more slots and for longer layers, contents kept (integrity after every step)
+    pairs = list(itertools.pairwise(grown))
+    assert any(b[0] > a[0] for a, b in pairs) and any(b[0] == a[0] and b[1] != a[1] for a, b in pairs)
     assert not len(mirrors) and not mirrors.nbytes  # freed with the last slot
 
 
