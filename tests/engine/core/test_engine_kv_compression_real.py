@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from test_engine_packed_mirror import record_uses
 
 from engine.core.forced_tokens import ForcedTokens
 from engine.core.llm_engine import GenerationRequest, SamplingParams
@@ -67,15 +68,8 @@ def test_mirrored_compressed_decodes_give_the_gathered_tokens_on_the_real_model(
     ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     prompts = [ids[:900], ids[300:1100]]
     mirrors = engine.runner.packed_mirrors
-    used = []
-    use = mirrors.use
-
-    def counting(keys, packed):
-        slots = use(keys, packed)
-        used.append(slots is not None)
-        return slots
-
-    monkeypatch.setattr(mirrors, "use", counting)
+    monkeypatch.setattr(mirrors, "use", mirrors.use)  # restored after the test
+    used = record_uses(mirrors)
     mirrored = [tokens_of(run(engine, p, "pyramid", f"mirror-{i}", max_tokens=40)) for i, p in enumerate(prompts)]
     assert used and all(used)
     monkeypatch.setattr(mirrors, "use", lambda keys, packed: None)

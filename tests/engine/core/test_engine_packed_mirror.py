@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
+from test_engine_kv_compression import add_by_hand
 
 from engine.core.llm_engine import GenerationRequest, SamplingParams
-from engine.core.output_stream import OutputStream
 
 MODES = [{}, {"kv_progressive": True}, {"kv_layerwise": True}]
 MODE_IDS = ["after-prefill", "progressive", "layerwise"]
@@ -29,12 +29,7 @@ def drive(engine, requests, *, gathered=False, on_step=None):
     used = 0
     if gathered:
         runner.packed_mirrors.use = lambda keys, packed: None
-    reqs = []
-    for r in requests:
-        req = engine._validate(r)
-        req.stream = OutputStream(r.request_id, lambda _rid: None)
-        engine.scheduler.add(req)
-        reqs.append(req)
+    reqs = add_by_hand(engine, requests)
     while engine.scheduler.has_work():
         engine.step()
         engine.kv_cache_manager.check_integrity()
@@ -43,6 +38,21 @@ def drive(engine, requests, *, gathered=False, on_step=None):
         if on_step is not None:
             on_step(reqs)
     return {r.request_id: list(r.kv.output_token_ids) for r in reqs}, used
+
+
+def record_uses(mirrors):
+    """Replace ``mirrors.use`` (on the instance) by one that records, per call, whether
+    the decodes got slots; returns that list."""
+    outcomes = []
+    use = mirrors.use
+
+    def recording(keys, packed):
+        slots = use(keys, packed)
+        outcomes.append(slots is not None)
+        return slots
+
+    mirrors.use = recording
+    return outcomes
 
 
 def requests(n, tokens=40, length=300):
@@ -116,15 +126,7 @@ def test_the_mirrors_stay_within_the_shared_budget(make_engine):
     budget = 400 * per_token  # one compressed request of ~300 tokens, not three
     engine = make_engine(started=False, kv_min_retention=0.25, kv_window=8, kv_mirror_memory_gib=budget / 2**30)
     runner, mirrors = engine.runner, engine.runner.packed_mirrors
-    outcomes = []
-    use = mirrors.use
-
-    def counting(keys, packed):
-        slots = use(keys, packed)
-        outcomes.append(slots is not None)
-        return slots
-
-    mirrors.use = counting
+    outcomes = record_uses(mirrors)
 
     def watch(_reqs):
         assert runner.mirrors.nbytes <= runner.mirrors.budget_bytes
