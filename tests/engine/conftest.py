@@ -57,26 +57,37 @@ def tiny_model(bundled_tokenizer):
 
 
 @pytest.fixture
-def make_tiny_engine(tiny_model, bundled_tokenizer):
-    """A factory of started tiny engines (settings overridable); all are shut down and
-    checked for leaked blocks after the test."""
+def engine_factory(bundled_tokenizer):
+    """``engine_factory(model, defaults)``: a factory of engines on ``model`` with the
+    bundled tokenizer (``make(started=True, **overrides)``, settings over ``defaults``);
+    every engine made is shut down and checked for leaked blocks after the test."""
     from engine.config import EngineConfig
     from engine.core.llm_engine import LLMEngine
 
     engines = []
 
-    def make(**overrides):
-        settings = {"kv_cache_memory_gib": 0.002, "served_model_name": "tiny-llama", "seed": 0}
-        settings.update(overrides)
-        engine = LLMEngine(tiny_model, bundled_tokenizer, EngineConfig(**settings))
-        engine.start()
-        engines.append(engine)
-        return engine
+    def factory(model, defaults):
+        def make(started=True, **overrides):
+            engine = LLMEngine(model, bundled_tokenizer, EngineConfig(**{**defaults, **overrides}))
+            if started:
+                engine.start()
+            engines.append(engine)
+            return engine
 
-    yield make
+        make.engines = engines
+        return make
+
+    yield factory
     for engine in engines:
         engine.shutdown()
         _check_all_blocks_free(engine)
+
+
+@pytest.fixture
+def make_tiny_engine(tiny_model, engine_factory):
+    """A factory of started tiny engines (settings overridable); all are shut down and
+    checked for leaked blocks after the test."""
+    return engine_factory(tiny_model, {"kv_cache_memory_gib": 0.002, "served_model_name": "tiny-llama", "seed": 0})
 
 
 @pytest.fixture

@@ -7,9 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
-
 
 @pytest.fixture(scope="session")
 def deep_model(bundled_tokenizer):
@@ -24,25 +21,14 @@ def deep_model(bundled_tokenizer):
 
 
 @pytest.fixture
-def make_engine(deep_model, bundled_tokenizer):
+def make_engine(deep_model, engine_factory):
     """A factory of engines on :func:`deep_model` (compressing by default; started unless
-    ``started=False``); after the test, all blocks are free and no packed mirror is left."""
-    engines = []
-
-    def make(started=True, **overrides):
-        settings = {"kv_cache_memory_gib": 0.004, "seed": 0, "kv_compression": "pyramid",
-                    "served_model_name": "tiny"}
-        settings.update(overrides)
-        engine = LLMEngine(deep_model, bundled_tokenizer, EngineConfig(**settings))
-        if started:
-            engine.start()
-        engines.append(engine)
-        return engine
-
+    ``started=False``); after the test, no packed page or packed mirror is left (and
+    :func:`engine_factory` checks that all blocks are free)."""
+    make = engine_factory(deep_model, {"kv_cache_memory_gib": 0.004, "seed": 0, "kv_compression": "pyramid",
+                                       "served_model_name": "tiny"})
     yield make
-    for engine in engines:
+    for engine in make.engines:
         engine.shutdown()
-        kv = engine.kv_cache_manager
-        kv.check_integrity()
-        assert kv.num_free_blocks == kv.num_blocks and not kv.packed
+        assert not engine.kv_cache_manager.packed
         assert not len(engine.runner.packed_mirrors) and not engine.runner.packed_mirrors.nbytes
