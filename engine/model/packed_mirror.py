@@ -77,8 +77,8 @@ class PackedMirrors:
     def use(self, keys: Sequence[str], packed: Sequence[PackedKV]) -> list[int] | None:
         """The slots of these requests' decodes (request ``keys[i]``, its ``packed[i]``,
         whose pages hold room for the new token: :meth:`PackedKV.fill`), each holding the
-        request's packed K/V, taken or grown as needed; None when they do not fit the
-        budget (nothing changed then, except slots refilled)."""
+        request's packed K/V, taken or grown as needed (stale ones refilled); None when
+        they do not fit the budget (nothing changed then)."""
         lay = self.storage.layout
         bs = lay.block_size
         index = {s.key: i for i, s in enumerate(self._slots)}
