@@ -207,13 +207,8 @@ class PackedChunk:
         self.added[layer] = n
         p.write(layer, count, key[r : r + n], value[r : r + n])
         pages = -(-(count + n) // bs)
-        table = p.table[layer, :pages]
-        base = (table // p.stride) * (kv_heads * p.stride) + table % p.stride
-        kv_rows = (torch.arange(kv_heads, dtype=torch.long)[:, None] * p.stride + base[None, :]).reshape(-1)
         length = pages * bs
-        keys = torch.index_select(storage.all_keys.view(-1, bs, head_dim), 0, kv_rows).view(kv_heads, length, head_dim)
-        values = torch.index_select(storage.all_values.view(-1, bs, head_dim), 0, kv_rows).view(
-            kv_heads, length, head_dim)
+        keys, values = p.gather(layer, pages)
         heads = query.shape[1]
         groups = heads // kv_heads
         # a KV head's query groups as rows of one product: the keys are read once, not

@@ -164,6 +164,19 @@ class PackedKV:
         heads = torch.arange(lay.kv_heads, dtype=torch.long)
         return ((where[:, None] * lay.kv_heads + heads) * (stride * bs) + slot[:, None]).reshape(-1)
 
+    def gather(self, layer: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer``'s first ``pages`` pages, keys and values
+        ``[kv_heads, pages * block_size, head_dim]`` each (one ``index_select`` of whole
+        pages; positions past the count hold whatever the pages held)."""
+        lay = self.storage.layout
+        table = self.table[layer, :pages]
+        base = (table // self.stride) * (lay.kv_heads * self.stride) + table % self.stride
+        rows = (torch.arange(lay.kv_heads, dtype=torch.long)[:, None] * self.stride + base[None, :]).reshape(-1)
+        shape = (lay.kv_heads, pages * lay.block_size, lay.head_dim)
+        flat = (-1, lay.block_size, lay.head_dim)
+        return (torch.index_select(self.storage.all_keys.view(flat), 0, rows).view(shape),
+                torch.index_select(self.storage.all_values.view(flat), 0, rows).view(shape))
+
     def read(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of layer ``layer``'s keys and values at packed ``indices``
         (``[n, kv_heads, head_dim]`` each)."""

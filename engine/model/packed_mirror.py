@@ -152,19 +152,11 @@ class PackedMirrors:
 
     def _fill(self, i: int, p: PackedKV) -> None:
         """Copy request ``p``'s packed K/V of every layer into slot ``i``."""
-        lay = self.storage.layout
-        bs, hd = lay.block_size, lay.head_dim
-        heads = torch.arange(lay.kv_heads, dtype=torch.long)[:, None] * p.stride
-        for layer in range(lay.num_layers):
-            pages = len(p.pages[layer])
-            if not pages:
-                continue
-            table = p.table[layer, :pages]
-            base = (table // p.stride) * (lay.kv_heads * p.stride) + table % p.stride
-            rows = (heads + base[None, :]).reshape(-1)
-            for pool, mirror in ((self.storage.all_keys, self.keys), (self.storage.all_values, self.values)):
-                out = mirror[layer][i, :, : pages * bs]
-                out.copy_(torch.index_select(pool.view(-1, bs, hd), 0, rows).view(lay.kv_heads, pages * bs, hd))
+        for layer, layer_pages in enumerate(p.pages):
+            if layer_pages:
+                keys, values = p.gather(layer, len(layer_pages))
+                self.keys[layer][i, :, : keys.shape[1]].copy_(keys)
+                self.values[layer][i, :, : values.shape[1]].copy_(values)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every slot in sync holds its request's pages' K/V."""

@@ -116,9 +116,9 @@ class PyramidSchedule:
             peaks = self.chunk_peaks(prefill_tokens, num_layers) if self.progressive else [0] * num_layers
             return [min(total_tokens, max(p, keep + self.window))
                     for p, keep in zip(peaks, self.keep_counts(total_tokens, num_layers), strict=True)]
-        chunk = [max(self.window, self.chunk) if self.progressive else 0] * num_layers
-        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, c))
-                for keep, c in zip(self.keep_counts(prefill_tokens, num_layers), chunk, strict=True)]
+        chunk = max(self.window, self.chunk) if self.progressive else 0
+        return [min(total_tokens, keep + max(total_tokens - prefill_tokens, chunk))
+                for keep in self.keep_counts(prefill_tokens, num_layers)]
 
     def chunk_peaks(self, prefill_tokens: int, num_layers: int) -> list[int]:
         """Per layer, the most tokens it holds while a progressive prefill ending at
