@@ -55,7 +55,10 @@ def engine_pids(serve: subprocess.Popen) -> dict[int, int]:
     children = subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True, text=True).stdout.split()
     found = {}
     for pid in map(int, children):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        try:  # a child listed by pgrep may exit before its cmdline is read
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
         if b"engine" in args and b"--port" in args:
             found[int(args[args.index(b"--port") + 1])] = pid
     return found
