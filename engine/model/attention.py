@@ -209,6 +209,15 @@ class AttentionBatch:
     packed_chunks: Sequence[PackedChunk] = ()
     """Compressed requests' prefill chunks over their packed pages (pad slots too)."""
 
+    @property
+    def exact_rows(self) -> int | None:
+        """Where the packed chunks' rows begin: the rows before it need row-invariant
+        products, the chunks' rows do not (compressed K/V, private to their request).
+        The runner puts the chunks last (only padding follows them), and a layer-wise
+        chunk's dropped rows leave from among them, so this holds in every layer.
+        None: every row does."""
+        return min((c.row for c in self.packed_chunks), default=None)
+
 
 def _pad_rows(q: torch.Tensor) -> torch.Tensor:
     """``q`` (``[..., m, head_dim]``) with zero rows appended up to a multiple of

@@ -170,7 +170,7 @@ class LlamaForward:
                 hidden, cos, signed_sin = hidden[keep], cos[keep], signed_sin[keep]
                 before = torch.arange(input_ids.shape[0]) if origin is None else origin
                 origin = torch.cat([before[keep[:real]], keep.new_full((keep.numel() - real,), -1)])
-            self._mlp(layer, hidden)
+            self._mlp(layer, hidden, batch.exact_rows)
         if origin is not None:  # a sampled row is the last of its chunk, which every layer keeps
             where = torch.zeros(input_ids.shape[0], dtype=torch.long)
             real_rows = origin >= 0
@@ -217,10 +217,11 @@ class LlamaForward:
         return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def _qkv(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A layer's queries, keys (RoPE applied) and values of ``hidden``'s rows."""
+             exact_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's queries, keys (RoPE applied) and values of ``hidden``'s rows
+        (``exact_rows``: see :meth:`~engine.model.linear.PackedLinear.__call__`)."""
         qk_heads = self.num_heads + self.kv_heads
-        qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, self.eps))
+        qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, self.eps), exact_rows)
         qkv = qkv.view(hidden.shape[0], qk_heads + self.kv_heads, self.head_dim)
         # RoPE on queries and keys at once (elementwise: the same bits as one at a time).
         qk = _rope(qkv[:, :qk_heads], cos, signed_sin)
@@ -230,21 +231,22 @@ class LlamaForward:
                batch: AttentionBatch) -> None:
         """Layer ``i`` on ``hidden``, in place; writes the layer's K/V into the batch's slots."""
         self._attention(i, layer, hidden, cos, signed_sin, batch)
-        self._mlp(layer, hidden)
+        self._mlp(layer, hidden, batch.exact_rows)
 
     def _attention(self, i: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    batch: AttentionBatch) -> None:
         """Layer ``i``'s attention block on ``hidden``, in place (residual added); writes
         the layer's K/V."""
-        q, k, v = self._qkv(layer, hidden, cos, signed_sin)
-        hidden.add_(layer.o(paged_attention(i, q, k, v, batch, self.scale)))
+        exact = batch.exact_rows
+        q, k, v = self._qkv(layer, hidden, cos, signed_sin, exact)
+        hidden.add_(layer.o(paged_attention(i, q, k, v, batch, self.scale), exact))
 
-    def _mlp(self, layer: _Layer, hidden: torch.Tensor) -> None:
+    def _mlp(self, layer: _Layer, hidden: torch.Tensor, exact_rows: int | None = None) -> None:
         """A layer's MLP block on ``hidden``, in place (residual added)."""
         x = _rms_norm(hidden, layer.post_norm, self.eps)
-        gate_up = layer.gate_up(x)
+        gate_up = layer.gate_up(x, exact_rows)
         half = gate_up.shape[1] // 2
-        hidden.add_(layer.down(torch.mul(F.silu(gate_up[:, :half], inplace=True), gate_up[:, half:])))
+        hidden.add_(layer.down(torch.mul(F.silu(gate_up[:, :half], inplace=True), gate_up[:, half:]), exact_rows))
 
     @torch.inference_mode()
     def probe(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

@@ -40,6 +40,9 @@ from engine.model.packed_kv import PackedKV
 
 HEADROOM = 64
 """Positions a layer's capacity grows by beyond what the request that needs it asks."""
+CAPACITY_STEP = 128
+"""Capacities are multiples of it: the decode products' shapes are the capacities, and
+oneDNN compiles a kernel per shape."""
 
 
 @dataclass
@@ -88,7 +91,8 @@ class PackedMirrors:
         rows = len(self._slots) + len(new)
         caps = [self.capacity(layer) for layer in range(lay.num_layers)]
         if rows > have or any(n > c for n, c in zip(need, caps, strict=True)):
-            caps = [c if c >= n else n + HEADROOM for c, n in zip(caps, need, strict=True)]
+            caps = [c if c >= n else -(-(n + HEADROOM) // CAPACITY_STEP) * CAPACITY_STEP
+                    for c, n in zip(caps, need, strict=True)]
             more = have if rows <= have else max(rows, 2 * have)
             if not self._grow(more, caps) and (more == rows or not self._grow(rows, caps)):
                 return None

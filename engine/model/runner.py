@@ -188,7 +188,11 @@ class ModelRunner:
         layerwise = [seq.packed is not None and len(seq.token_ids) > 1 and seq.layerwise is not None
                      and seq.capture is not None and not seq.prompt_rows and self._llama is not None
                      for seq in sequences]
-        order = [i for i, last in enumerate(layerwise) if not last] + [i for i, last in enumerate(layerwise) if last]
+        # compressed prefill chunks last (layer-wise ones at the very end: they drop rows
+        # as layers go): the products may then compute their rows untiled
+        # (AttentionBatch.exact_rows)
+        is_chunk = [seq.packed is not None and len(seq.token_ids) > 1 for seq in sequences]
+        order = sorted(range(len(sequences)), key=lambda i: (is_chunk[i], layerwise[i]))
         for index in order:
             seq = sequences[index]
             n, end = len(seq.token_ids), seq.start + len(seq.token_ids)

@@ -427,15 +427,26 @@ def test_two_layerwise_chunks_in_one_forward_keep_their_own_rows(make_engine, mo
     assert results[0][1] == results[1][1]
 
 
-def test_a_layerwise_chunk_computes_what_a_reference_loop_computes(make_engine, deep_model):
+@pytest.mark.parametrize("fused", [False, True], ids=["products", "fused"])
+def test_a_layerwise_chunk_computes_what_a_reference_loop_computes(make_engine, deep_model, monkeypatch, fused):
     """One layer-wise chunk against a plain loop over the transformers layers: per layer,
     the chunk's surviving tokens attend the kept K/V plus the chunk causally, the last
     ``window`` queries' attention picks what the layer keeps (the chunk about the
     layer's retention of itself, the older tokens the rest), and only the chunk's kept
-    tokens go on. The K/V every layer holds afterwards are the loop's."""
+    tokens go on. The K/V every layer holds afterwards are the loop's. ``fused``: the
+    chunk is attended as a long one is (torch's fused attention, the capture from the
+    window's queries alone)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    from engine.model import packed_attention
     from engine.model.pyramid import keep_chunk
+
+    calls = []
+    if fused:
+        monkeypatch.setattr(packed_attention, "SDPA_ROWS", 1)
+        fused_attend = packed_attention.PackedChunk._attend_fused
+        monkeypatch.setattr(packed_attention.PackedChunk, "_attend_fused",
+                            lambda self, *a: calls.append(self.m) or fused_attend(self, *a))
 
     engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
                                      max_num_batched_tokens=64), min_tokens=64, layerwise=True)
@@ -489,6 +500,7 @@ def test_a_layerwise_chunk_computes_what_a_reference_loop_computes(make_engine, 
             h, cos, sin = h[survivors], cos[:, survivors], sin[:, survivors]
             h = h + block.mlp(block.post_attention_layernorm(h))
     assert dropped
+    assert bool(calls) == fused
     while engine.scheduler.has_work():
         engine.step()
 

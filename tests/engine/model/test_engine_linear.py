@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.linear import ROW_TILE, PackedLinear, _packing_available, row_invariant
+from engine.model.linear import FREE_ROWS, ROW_TILE, PackedLinear, _packing_available, row_invariant
 from engine.model.llama import LlamaForward
 
 # The bundled SmolLM2-135M's projections: [q; k; v], o, [gate; up], down, LM head.
@@ -51,6 +51,31 @@ def test_bfloat16_tiles_compute_f_linear_bits(shape):
             assert torch.equal(linear(x[:rows]), F.linear(x[:rows], weight)), rows
         tiles = torch.cat([F.linear(x[k : k + ROW_TILE], weight) for k in range(0, len(x), ROW_TILE)])
         assert torch.equal(linear(x), tiles)
+
+
+@pytest.mark.parametrize("exact_rows", [0, 1, 31, 32, 33, 100, 300])
+def test_rows_past_exact_rows_go_in_one_call_and_the_others_keep_their_bits(exact_rows):
+    """``exact_rows``: the rows before it keep the bits of the tiled product; the tiles
+    that hold them are computed as without it, the rows after them in one call of a
+    multiple of FREE_ROWS rows and one of the rest."""
+    generator = torch.Generator().manual_seed(exact_rows)
+    weight = (torch.randn((576, 576), generator=generator) * 0.05).to(torch.bfloat16)
+    linear = PackedLinear(weight)
+    x = torch.randn((300, 576), generator=generator).to(torch.bfloat16)
+    calls = []
+    product = linear._product
+    linear._product = lambda rows: calls.append(rows.shape[0]) or product(rows)
+    with torch.inference_mode():
+        tiled = linear(x)
+        calls.clear()
+        split = linear(x, exact_rows)
+    assert torch.equal(split[:exact_rows], tiled[:exact_rows])
+    torch.testing.assert_close(split.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-2)
+    tiled = min(300, -(-exact_rows // ROW_TILE) * ROW_TILE)
+    rest = 300 - tiled
+    expected = [min(ROW_TILE, tiled - k) for k in range(0, tiled, ROW_TILE)]
+    expected += [c for c in (rest // FREE_ROWS * FREE_ROWS, rest % FREE_ROWS) if c]
+    assert calls == expected
 
 
 def test_the_check_rejects_a_product_whose_rows_depend_on_the_count():
