@@ -102,7 +102,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, exact_rows: int | None = None) -> torch.Tensor:
         """``exact_rows``: only the rows before it need row-invariant bits; the rest
         (compressed requests' prefill chunks, approximate by design) are multiplied
-        in one call after the exact rows' tiles (see :func:`in_tiles`)."""
+        untiled after the exact rows' tiles (see :func:`in_tiles`)."""
         return in_tiles(self._product, x, exact_rows)
 
     @property
@@ -155,9 +155,10 @@ def in_tiles(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
     With ``exact_rows``, the tiles that hold a row before it are the same as without
     (so those rows keep their bits), and the rows after the last of them go in one
-    call: a row there gets whatever bits the kernel's blocking for that count gives,
-    about 2.4x faster at 512 rows on the AMX Xeon (bfloat16, 2 threads; oneDNN's wide
-    AMX blocking, the weight read once)."""
+    call of a multiple of :data:`FREE_ROWS` rows and one of the rest: a row there gets
+    whatever bits the kernel's blocking for that count gives, about 2.4x faster at 512
+    rows on the AMX Xeon (bfloat16, 2 threads; oneDNN's wide AMX blocking, the weight
+    read once)."""
     rows = x.shape[0]
     if rows <= ROW_TILE:
         return product(x)
