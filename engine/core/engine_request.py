@@ -90,6 +90,9 @@ class EngineRequest:
         """Its chunks over packed pages are computed layer-wise (resolved by the engine:
         the schedule says so and the request wants no prompt logprobs, which need every
         row's logits); the scheduler then reserves each layer the rows it computes."""
+        self.packed_from_start = False
+        """It was packed at admission (layer-wise, no prefix-cache hit): it never held an
+        exact block, and its prefill's last chunk counts it as compressed."""
         self.stays_exact = False
         """Its compression was refused (no room for the packed blocks): exact from then on."""
         self.reserved = 0

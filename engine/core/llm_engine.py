@@ -156,6 +156,7 @@ class LLMEngine:
                                        progressive=config.kv_progressive or config.kv_layerwise,
                                        layerwise=config.kv_layerwise,
                                        chunk=LAYERWISE_CHUNK if config.kv_layerwise else DEFAULT_CHUNK)
+        self.scheduler.new_packed = lambda: PackedKV(self.storage, [0] * self.layout.num_layers)
         self.num_compressed = 0
         self.num_reselections = 0
         self.reselect_blocks_freed = 0
@@ -499,6 +500,8 @@ class LLMEngine:
             elif capture is not None or (packed is not None and self.pyramid.reselect
                                          and packed.since_selection >= self.pyramid.window):
                 self._reselect(req, capture)
+                if capture is not None and req.packed_from_start and s.start < req.num_prompt_tokens <= s.end:
+                    self._count_compression(req, req.num_prompt_tokens)
 
     def _probe(self, probe: ModuleProbe) -> None:
         """Run ``probe`` (:meth:`ModelRunner.probe`) and hand its deviations to the scheduler."""
@@ -549,9 +552,16 @@ class LLMEngine:
             return
         if done:
             self.runner.forget(req.request_id)
-            self.num_compressed += 1
-            self.compressed_tokens += n
-            self.retained_tokens += packed.num_tokens / self.layout.num_layers
+            self._count_compression(req, n)
+
+    def _count_compression(self, req: EngineRequest, tokens: int) -> None:
+        """``req`` was compressed with ``tokens`` tokens (once packed, or a layer-wise one
+        packed from admission once its prompt is computed)."""
+        if req.packed is None:
+            return
+        self.num_compressed += 1
+        self.compressed_tokens += tokens
+        self.retained_tokens += req.packed.num_tokens / self.layout.num_layers
 
     def _reselect(self, req: EngineRequest, capture: AttentionCapture | None = None) -> None:
         """Select a packed request's tokens again from its recent decode queries'

@@ -113,7 +113,8 @@ Invariants:
   ``fair_window_s``; a hold lasts at most ``ANTICIPATE_S`` and plans nothing;
 * a compressed request (``req.packed``) is exact until its prefill ends (with
   progressive packing, until a chunk reaches ``min_tokens``; its later chunks, at
-  most ``PyramidSchedule.chunk`` tokens, grow its packed pages); then
+  most ``PyramidSchedule.chunk`` tokens, grow its packed pages; a layer-wise one with
+  no prefix-cache hit is packed from admission, :meth:`Scheduler._start_packed`); then
   :meth:`Scheduler.compress` swaps its blocks for packed ones (never holding both
   tables) and its reservation for the packed one; :meth:`Scheduler.reselect` gives
   blocks back as re-selection drops tokens; preempted, it is exact again
@@ -340,6 +341,9 @@ class Scheduler:
         self.reserved_blocks = 0
         self.pyramid: PyramidSchedule | None = None
         """The compression schedule (set by the engine), for compressed requests' reservations."""
+        self.new_packed: Callable[[], PackedKV] | None = None
+        """Empty packed tables over the engine's KV storage (set by the engine): a layer-wise
+        request with no prefix-cache hit is packed from its first token (:meth:`_start_packed`)."""
         self.num_layers = 1
         self.reserve_horizon = RESERVE_HORIZON
         self.num_preemptions = 0
@@ -387,9 +391,17 @@ class Scheduler:
         return (req.compress and not req.stays_exact and self.pyramid is not None and req.segmented is None
                 and req.kv.num_tokens >= self.pyramid.min_tokens)
 
+    def _starts_packed(self, req: EngineRequest, hit_tokens: int) -> bool:
+        """``req`` is computed layer-wise from its first token: it compresses, layer-wise,
+        and has no prefix-cache hit (a hit's exact blocks are reused and the chunk after
+        them, computed exactly, selects what the packed pages keep of them)."""
+        return hit_tokens == 0 and req.layerwise and self.new_packed is not None and self._compresses(req)
+
     def _exact_tokens(self, req: EngineRequest, hit_tokens: int) -> int:
         """The most tokens a compressed request holds exactly, before it is packed."""
         assert self.pyramid is not None
+        if self._starts_packed(req, hit_tokens):
+            return 0
         if not self.pyramid.progressive:
             return req.kv.num_tokens
         return min(req.kv.num_tokens, max(hit_tokens, self.pyramid.min_tokens) + self.max_num_batched_tokens)
@@ -580,11 +592,17 @@ class Scheduler:
                 return None
         n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most, step.most_tokens(num_cached, cost)),
                               num_cached)
+        if self._starts_packed(req, num_cached):  # a chunk over packed pages, as every later one
+            assert self.pyramid is not None
+            n = _last_chunk_guard(req, min(n, self.pyramid.chunk), num_cached)
         if n <= 0:
             return None
         assembled = self._assembles(req)
         if assembled:
             if not self.modules.admit(req, hits, num_cached):
+                return None
+        elif self._starts_packed(req, num_cached):
+            if not self._start_packed(req, n):
                 return None
         elif kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
             return None
@@ -601,6 +619,24 @@ class Scheduler:
             return self._assemble(req, most, step)
         step.add(ScheduledSequence(req, num_cached, n))
         return n
+
+    def _start_packed(self, req: EngineRequest, n: int) -> bool:
+        """Make a waiting request packed before its first chunk of ``n`` tokens and give
+        that chunk its pages (its reservation is the packed one); False, changing
+        nothing, when the pool cannot give them."""
+        assert self.new_packed is not None
+        kvm = self.kv_cache_manager
+        kvm.start_packed(req.request_id)
+        req.packed = self.new_packed()
+        prompt = req.num_prompt_tokens
+        total = min(prompt + req.params.max_tokens, prompt + self.reserve_horizon, self.max_model_len)
+        req.packed_reservation = self.packed_blocks(req.kv.num_tokens, total)
+        req.packed_from_start = True
+        if self._reserve(req, n):
+            return True
+        kvm.free(req.request_id)
+        req.packed, req.packed_reservation, req.packed_from_start = None, None, False
+        return False
 
     def _assembles(self, req: EngineRequest) -> bool:
         """A segmented request's KV is assembled from modules (with prefix caching on;
@@ -747,6 +783,7 @@ class Scheduler:
         self.running.remove(req)
         self.reserved_blocks -= req.reserved
         req.packed, req.packed_reservation, req.stays_exact = None, None, False  # compressed again
+        req.packed_from_start = False
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1

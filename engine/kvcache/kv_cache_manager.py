@@ -57,7 +57,7 @@ class KVCacheManager:
     * the first ``num_cached_blocks`` blocks of a table carry the request's block
       hashes, in order, and are in the hash map under them;
     * the hash map and the blocks' ``block_hash`` fields agree;
-    * a *packed* request (a compressed one, :meth:`repack`) holds blocks that carry no
+    * a *packed* request (a compressed one, :meth:`repack` or :meth:`start_packed`) holds blocks that carry no
       hash and no cached count; the slot rule does not apply to it (it packs its
       layers' tokens into the blocks' layer pages, :mod:`engine.model.packed_kv`).
     """
@@ -277,6 +277,16 @@ class KVCacheManager:
         new_ids = [b.block_id for b in new]
         write(new_ids)
         return new_ids
+
+    def start_packed(self, request_id: str) -> None:
+        """Register a request that holds nothing yet as packed from its first token (a
+        layer-wise compressed prefill with no prefix-cache hit): it holds no block until
+        :meth:`grow_packed`."""
+        if request_id in self.req_to_blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        self.req_to_blocks[request_id] = []
+        self.num_cached_blocks[request_id] = 0
+        self.packed.add(request_id)
 
     def release_packed(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Give blocks of a packed request back to the pool (its pages in them hold
