@@ -385,6 +385,56 @@ def test_layerwise_prefill_computes_fewer_rows_in_deeper_layers(make_engine, mon
     assert len(req.kv.output_token_ids) == 4
 
 
+
+def test_a_layerwise_request_without_a_hit_is_packed_from_admission(make_engine, monkeypatch):
+    """No prefix-cache hit: a layer-wise request never holds an exact block. Its first
+    chunk is computed over empty packed pages, layer-wise like the later ones (its rows
+    per layer what the scheduler reserved pages for); it is counted compressed once its
+    prompt is computed, and gives everything back."""
+    seen = layerwise_chunks(monkeypatch)
+    engine = progressive(make_engine(started=False, kv_min_retention=0.2, kv_window=8,
+                                     max_num_batched_tokens=64), min_tokens=64, layerwise=True)
+    kv, sched = engine.kv_cache_manager, engine.scheduler
+    n = 300
+    [req] = add_by_hand(engine, [GenerationRequest("fresh", prompt_of(n, offset=17),
+                                                   SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))])
+    engine.step()
+    kv.check_integrity()
+    assert req.packed is not None and req.packed_from_start and "fresh" in kv.packed
+    assert seen[0] == engine.pyramid.chunk_rows(seen[0][0], 6) and seen[0][-1] < seen[0][0]
+    assert req.packed.counts == engine.pyramid.keep_counts(req.num_computed_tokens, 6)
+    assert engine.num_compressed == 0  # counted once its prompt is computed
+    while sched.has_work():
+        assert req.packed is not None and len(kv.get_block_ids("fresh")) <= req.reserved
+        engine.step()
+        kv.check_integrity()
+    assert len(req.kv.output_token_ids) == 6 and engine.num_compressed == 1
+    assert engine.compressed_tokens == n and engine.retained_tokens < n / 2
+    assert kv.num_free_blocks == kv.num_blocks and not kv.packed
+
+
+def test_a_layerwise_request_with_a_prefix_hit_reuses_it_then_packs(make_engine):
+    """A cached exact prefix is reused: the request starts exact from its hit, its next
+    chunk computed exactly selects what the packed pages keep, and it goes on packed."""
+    engine = progressive(make_engine(kv_min_retention=0.2, kv_window=8, max_num_batched_tokens=64), min_tokens=64,
+                         layerwise=True)
+    prefix = prompt_of(160, offset=23)
+    run(engine, prefix, mode="none", max_tokens=2, salt="s")
+    engine.shutdown()
+    kv = engine.kv_cache_manager
+    [req] = add_by_hand(engine, [GenerationRequest("hit", prefix + prompt_of(140, offset=29),
+                                                   SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                                   cache_salt="s", kv_compression="pyramid")])
+    engine.step()
+    kv.check_integrity()
+    assert req.num_cached_tokens == 160 and req.packed is not None and not req.packed_from_start
+    while engine.scheduler.has_work():
+        engine.step()
+        kv.check_integrity()
+    assert len(req.kv.output_token_ids) == 4 and engine.num_compressed == 1
+    assert kv.num_free_blocks == kv.num_blocks and not kv.packed
+
+
 def layerwise_pair(make_engine, first, second, first_mode, budget):
     """``first`` and ``second`` admitted together into a layer-wise engine and driven to
     the end; each one's output tokens."""
