@@ -90,23 +90,28 @@ class PackedDecodes:
         new_rows = ((where[:, :, None] * lay.kv_heads + torch.arange(lay.kv_heads)) * (stride * bs)
                     + slot[:, :, None])  # [n, layers, kv_heads]
         seq = torch.tensor(self.slots if self.slots is not None else range(len(self.packed)), dtype=torch.long)
+        # every layer's tables at once, sliced per layer below (a few ops per step, not per layer)
+        if self.mirrors is not None:  # a mirror is attended whole: its capacity, a multiple of the block size
+            lengths = [self.mirrors.capacity(layer) for layer in range(lay.num_layers)]
+        else:
+            lengths = [pages * bs for pages in pages_used]
+        per_layer = counts.t()  # [layers, n]
+        hidden = torch.arange(max(lengths))[None, None, :] > per_layer[:, :, None]  # [layers, n, longest]
+        if self.width > len(self.packed):  # slots not decoding now: attend everything, ignored
+            full = torch.zeros((lay.num_layers, self.width, hidden.shape[2]), dtype=torch.bool)
+            full[:, seq] = hidden
+            hidden = full
+        mirror_rows = None
+        if self.mirrors is not None:
+            capacity = torch.tensor(lengths, dtype=torch.long)[:, None, None]
+            mirror_rows = (((seq[None, :, None] * lay.kv_heads + torch.arange(lay.kv_heads)) * capacity
+                            + per_layer[:, :, None]).reshape(lay.num_layers, -1))
+        new_by_layer = new_rows.transpose(0, 1).reshape(lay.num_layers, -1)
         self.layers: list[_LayerTables] = []
-        for layer, pages in enumerate(pages_used):
-            # a mirror is attended whole: its capacity, a multiple of the block size
-            length = self.mirrors.capacity(layer) if self.mirrors is not None else pages * bs
-            hidden = torch.arange(length)[None, :] > counts[:, layer, None]
-            if self.width > len(self.packed):  # slots not decoding now: attend everything, ignored
-                full = torch.zeros((self.width, length), dtype=torch.bool)
-                full[seq] = hidden
-                hidden = full
-            mirror_rows, kv_rows = None, None
-            if self.mirrors is not None:
-                mirror_rows = ((seq[:, None] * lay.kv_heads + torch.arange(lay.kv_heads)) * length
-                               + counts[:, layer, None]).reshape(-1)
-            else:
-                kv_rows = (heads + base[:, None, layer, :pages]).reshape(-1)
-            self.layers.append(_LayerTables(kv_rows, length, hidden[:, None, None, :],
-                                            new_rows[:, layer].reshape(-1), mirror_rows))
+        for layer, (pages, length) in enumerate(zip(pages_used, lengths, strict=True)):
+            kv_rows = None if self.mirrors is not None else (heads + base[:, None, layer, :pages]).reshape(-1)
+            self.layers.append(_LayerTables(kv_rows, length, hidden[layer, :, None, None, :length], new_by_layer[layer],
+                                            None if mirror_rows is None else mirror_rows[layer]))
         self.scores = torch.zeros((lay.num_layers, self.width, max(t.length for t in self.layers)))
         """Per layer and attended sequence, the attention paid to each packed token (float32)."""
 

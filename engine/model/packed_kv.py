@@ -132,13 +132,15 @@ class PackedKV:
         from the first page of the first block on; returns the blocks no page needs any
         more, dropped from :attr:`blocks` (the caller gives them back to the pool).
         Resets the scores. Every layer's kept K/V are copied out in one gather and back
-        in one scatter (per layer, ~0.4 ms of 2-dimensional indexing each way)."""
+        in one scatter, their rows computed for all layers at once."""
         hd = self.storage.layout.head_dim
         flat_keys, flat_values = self.storage.all_keys.view(-1, hd), self.storage.all_values.view(-1, hd)
-        source = torch.cat([self.rows(layer, idx) for layer, idx in enumerate(keep)])
+        counts = torch.tensor([idx.numel() for idx in keep], dtype=torch.long)
+        layer_of = torch.repeat_interleave(torch.arange(self.num_layers), counts)  # every kept token's layer
+        source = self.rows(layer_of, torch.cat(list(keep)))
         keys, values = torch.index_select(flat_keys, 0, source), torch.index_select(flat_values, 0, source)
         self.version += 1
-        self.counts = [int(idx.numel()) for idx in keep]
+        self.counts = counts.tolist()
         need = self.blocks_for(self.counts, self.block_size)
         kept, released = self.blocks[:need], self.blocks[need:]
         self.blocks, self.spare = [], []
@@ -146,20 +148,22 @@ class PackedKV:
         self.table.fill_(self.storage.pad_block)
         self.add_blocks(kept)
         self.fill()
-        target = torch.cat([self.rows(layer, torch.arange(count)) for layer, count in enumerate(self.counts)])
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)  # each layer's first kept token
+        target = self.rows(layer_of, torch.arange(layer_of.numel()) - first)
         flat_keys.index_copy_(0, target, keys)
         flat_values.index_copy_(0, target, values)
         self.scores = torch.zeros((self.num_layers, 0))
         self.since_selection = 0
         return released
 
-    def rows(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
-        """Where layer ``layer``'s packed tokens ``indices`` live: their rows of the flat
+    def rows(self, layer: int | torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Where layer ``layer``'s packed tokens ``indices`` live (or, ``layer`` a tensor
+        like ``indices``, each token's own layer): their rows of the flat
         ``storage.all_keys.view(-1, head_dim)`` (and of the values), token by token, each
         token's KV heads in order (``[len(indices) * kv_heads]``)."""
         lay = self.storage.layout
         bs, stride = self.block_size, self.stride
-        pages = self.table[layer][indices // bs]
+        pages = self.table[layer, indices // bs]
         where, slot = pages // stride, (pages % stride) * bs + indices % bs
         heads = torch.arange(lay.kv_heads, dtype=torch.long)
         return ((where[:, None] * lay.kv_heads + heads) * (stride * bs) + slot[:, None]).reshape(-1)

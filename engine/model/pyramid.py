@@ -199,20 +199,35 @@ def select(capture: AttentionCapture, schedule: PyramidSchedule, num_tokens: int
 def keep_among(scores: torch.Tensor, held: int, target: int, schedule: PyramidSchedule) -> torch.Tensor:
     """The sorted indices (of ``0 .. held - 1``) a layer holding ``held`` tokens keeps
     when it may keep ``target``: all when ``held <= target``, else its ``window`` most
-    recent plus the best ``scores`` (attention paid to each; missing entries count 0).
-    The one rule of :func:`reselect` and of a layer-wise chunk's in-forward selection
+    recent plus the best ``scores`` (attention paid to each; missing entries count 0;
+    of equal scores, the earlier token). The one rule of :func:`reselect` and of a
+    layer-wise chunk's in-forward selection
     (:meth:`~engine.model.packed_attention.PackedChunk.survivors`): both give the same
-    answer on the same scores."""
-    if held <= target:
-        return torch.arange(held)
-    padded = torch.zeros(held)
-    have = scores[:held]
-    padded[: have.numel()] = have
-    if schedule.pool > 1:
-        padded = F.avg_pool1d(padded[None, None], schedule.pool, stride=1, padding=schedule.pool // 2,
-                              count_include_pad=False)[0, 0, :held]
-    padded[max(0, held - schedule.window):] = float("inf")
-    return torch.sort(torch.topk(padded, target).indices).values
+    answer on the same scores (:func:`keep_among_layers` with one layer)."""
+    return keep_among_layers(scores[None], [held], [target], schedule)[0]
+
+
+def keep_among_layers(scores: torch.Tensor, held: Sequence[int], targets: Sequence[int],
+                      schedule: PyramidSchedule) -> list[torch.Tensor]:
+    """:func:`keep_among` for every layer at once (``scores``: ``[layers, n]``, layer
+    ``l`` holding ``held[l]`` tokens and keeping ``targets[l]``): one sort over all
+    layers rather than a few ops per layer."""
+    layers, width = len(held), max(held, default=0)
+    padded = torch.zeros((layers, width))
+    have = min(scores.shape[1], width)
+    padded[:, :have] = scores[:, :have]
+    if schedule.pool > 1:  # SnapKV's pooling: keep a chosen token's neighbours too (per layer: its own length)
+        for layer, h in enumerate(held):
+            padded[layer, :h] = F.avg_pool1d(padded[None, None, layer, :h], schedule.pool, stride=1,
+                                             padding=schedule.pool // 2, count_include_pad=False)[0, 0, :h]
+    position = torch.arange(width)
+    ends = torch.tensor(list(held), dtype=torch.long)[:, None]
+    padded.masked_fill_(position >= ends - schedule.window, float("inf"))  # the recent window
+    padded.masked_fill_(position >= ends, float("-inf"))  # nothing past what the layer holds
+    take = torch.minimum(ends, torch.tensor(list(targets), dtype=torch.long)[:, None])
+    order = torch.sort(padded, dim=1, descending=True, stable=True).indices
+    chosen = torch.zeros((layers, width), dtype=torch.bool).scatter_(1, order, position < take)
+    return list(torch.split(chosen.nonzero()[:, 1], take[:, 0].tolist()))
 
 
 def keep_chunk(scores: torch.Tensor, old: int, new: int, target: int, quota: int,
@@ -242,9 +257,8 @@ def reselect(packed: PackedKV, schedule: PyramidSchedule, num_tokens: int) -> li
     once the sequence has ``num_tokens`` tokens (:func:`keep_among` with
     ``keep_counts(num_tokens)``), by the attention of the decode queries since the
     last selection, or of a progressive chunk's last queries (``packed.scores``)."""
-    targets = schedule.keep_counts(num_tokens, packed.num_layers)
-    return [keep_among(packed.scores[layer], held, target, schedule)
-            for layer, (held, target) in enumerate(zip(packed.counts, targets, strict=True))]
+    return keep_among_layers(packed.scores, packed.counts, schedule.keep_counts(num_tokens, packed.num_layers),
+                             schedule)
 
 
 def gather(storage: KVStorage, block_ids: Sequence[int], keep: Sequence[torch.Tensor],

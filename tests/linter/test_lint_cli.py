@@ -213,7 +213,17 @@ def test_the_table_never_prints_a_bare_zero_gain(empty_config, capsys):
         assert "+0" not in row.split() or "the fix applies, but" in row, row
 
 
-def test_too_deeply_nested_sources_are_skipped_and_reported(tmp_path, empty_config, capsys):
+@pytest.fixture
+def default_recursion_limit():
+    """Python's default recursion limit for one test (torch's inductor, run by earlier
+    tests in the same process, raises it to 2,000 for good)."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(before)
+
+
+def test_too_deeply_nested_sources_are_skipped_and_reported(tmp_path, empty_config, capsys, default_recursion_limit):
     for terms in (700, 5000):  # analysis, then the parser itself, run out of recursion
         path = tmp_path / f"deep{terms}.py"
         path.write_text("def f():\n    system_prompt = " + " + ".join(['"a"'] * terms) + "\n    return system_prompt\n")

@@ -62,9 +62,9 @@ def test_a_token_gets_the_same_bits_in_a_chunk_a_tail_and_a_decode(length):
 
 
 def test_scores_as_keys_first_change_no_bit(monkeypatch):
-    """A decode and a short tail compute scores as ``K @ q^T`` where this machine gives
-    ``q @ K^T``'s bits (checked once on a probe): their outputs equal those with every
-    scores product as ``q @ K^T``."""
+    """A decode and a short tail compute scores as ``K @ q^T`` only where this machine
+    gives ``q @ K^T``'s bits (checked once on a probe): their outputs equal those with
+    every scores product as ``q @ K^T``, whichever way the probe went."""
     from engine.model import attention
 
     length = 2048
@@ -83,6 +83,7 @@ def test_scores_as_keys_first_change_no_bit(monkeypatch):
         monkeypatch.setattr(attention, "KEYS_FIRST_ROWS", rows)
         outputs[rows] = (attend(storage, queries, keys, values, length - 16, length, decode=False),
                          attend(storage, queries, keys, values, length - 1, length, decode=True))
-    assert attention.keys_first_agrees(), "this machine's kernels should agree (else decodes use q @ K^T)"
+    # where this CPU's kernels disagree (seen on an AMD EPYC), the probe keeps every
+    # product as q @ K^T: the outputs are equal either way
     assert torch.equal(outputs[0][0], outputs[few][0])
     assert torch.equal(outputs[0][1], outputs[few][1])
