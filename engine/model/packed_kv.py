@@ -138,7 +138,9 @@ class PackedKV:
         counts = torch.tensor([idx.numel() for idx in keep], dtype=torch.long)
         layer_of = torch.repeat_interleave(torch.arange(self.num_layers), counts)  # every kept token's layer
         source = self.rows(layer_of, torch.cat(list(keep)))
-        keys, values = torch.index_select(flat_keys, 0, source), torch.index_select(flat_values, 0, source)
+        keys, values = self.storage.scratch(source.numel())
+        torch.index_select(flat_keys, 0, source, out=keys)
+        torch.index_select(flat_values, 0, source, out=values)
         self.version += 1
         self.counts = counts.tolist()
         need = self.blocks_for(self.counts, self.block_size)

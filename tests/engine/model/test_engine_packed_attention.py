@@ -68,3 +68,35 @@ def test_packed_decodes_match_reference_attention_and_record_scores():
                                        rtol=1e-5, atol=1e-6)
             assert not recorded[layer, i, count + 1 :].any()
             torch.testing.assert_close(p.scores[layer, : count + 1], recorded[layer, i, : count + 1])
+
+
+def test_reselect_keeps_each_layers_chosen_tokens_and_gives_blocks_back():
+    """PackedKV.reselect, twice in a row (the storage's scratch reused, then grown): each
+    layer holds exactly its kept tokens' K/V, in order, from the first pages on; the
+    blocks no page needs are returned and no longer held."""
+    torch.manual_seed(1)
+    storage = KVStorage(KVLayout(LAYERS, KV_HEADS, HEAD_DIM, BS, torch.float32), 64)
+    blocks = list(range(64))
+    random.Random(1).shuffle(blocks)
+    counts = [37, 22, 15, 9]
+    p = PackedKV(storage, counts)
+    p.add_blocks(blocks[: p.blocks_for(counts, BS)])
+    p.fill()
+    data = [(torch.randn(c, KV_HEADS, HEAD_DIM), torch.randn(c, KV_HEADS, HEAD_DIM)) for c in counts]
+    p.load(data)
+    gen = torch.Generator().manual_seed(2)
+    for share in (0.5, 0.4):
+        held = list(p.counts)
+        keep = [torch.sort(torch.randperm(c, generator=gen)[: max(1, int(share * c))]).values for c in held]
+        before = list(p.blocks)
+        released = p.reselect(keep)
+        assert p.counts == [k.numel() for k in keep]
+        assert sorted(released + p.blocks) == sorted(before) and len(p.blocks) == p.blocks_for(p.counts, BS)
+        data = [(k[idx], v[idx]) for (k, v), idx in zip(data, keep, strict=True)]
+        for layer, (keys, values) in enumerate(data):
+            got_k, got_v = p.read(layer, torch.arange(p.counts[layer]))
+            assert torch.equal(got_k, keys) and torch.equal(got_v, values), layer
+        assert all(pg % p.stride in p.blocks for pages in p.pages for pg in pages)  # pages of held blocks only
+    before = storage.scratch(10)[0]
+    assert storage.scratch(5)[0].data_ptr() == before.data_ptr()  # reused
+    assert storage.scratch(10_000)[0].shape == (10_000, HEAD_DIM)
