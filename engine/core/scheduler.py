@@ -592,7 +592,8 @@ class Scheduler:
                 return None
         n = _last_chunk_guard(req, min(req.kv.num_tokens - num_cached, most, step.most_tokens(num_cached, cost)),
                               num_cached)
-        if self._starts_packed(req, num_cached):  # a chunk over packed pages, as every later one
+        packs = self._starts_packed(req, num_cached)
+        if packs:  # a chunk over packed pages, as every later one
             assert self.pyramid is not None
             n = _last_chunk_guard(req, min(n, self.pyramid.chunk), num_cached)
         if n <= 0:
@@ -601,7 +602,7 @@ class Scheduler:
         if assembled:
             if not self.modules.admit(req, hits, num_cached):
                 return None
-        elif self._starts_packed(req, num_cached):
+        elif packs:
             if not self._start_packed(req, n):
                 return None
         elif kvm.allocate_slots(req.kv, n, num_cached, hits) is None:
