@@ -3,7 +3,8 @@
 For each shared-prefix length (512, 1k, 2k, 4k tokens) and each run, the prompt
 is the prefix followed by a short unique suffix:
 
-* cold: the prompt on an engine with prefix caching disabled (a full prefill);
+* cold: the prompt under a cache salt of its own (nothing is cached under it: a
+  full prefill), on the same engine;
 * warm: the same prompt on the caching engine, whose cache holds the prefix
   (primed once per length with a different suffix); its K/V are read from the
   block pool through the block table;
@@ -86,11 +87,12 @@ class Timer:
 
 
 def generate(
-    engine: LLMEngine, timer: Timer, rid: str, prompt: list[int], max_tokens: int = OUTPUT_TOKENS
+    engine: LLMEngine, timer: Timer, rid: str, prompt: list[int], max_tokens: int = OUTPUT_TOKENS,
+    salt: str | None = None,
 ) -> tuple[float, list[int], int]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     timer.last = None
-    outputs = engine.submit(GenerationRequest(rid, prompt, params)).result(timeout=600)
+    outputs = engine.submit(GenerationRequest(rid, prompt, params, cache_salt=salt)).result(timeout=600)
     assert timer.last is not None and outputs[-1].finish_reason == "length", outputs[-1]
     tokens = [t for o in outputs for t in o.new_token_ids]
     return timer.last, tokens, outputs[-1].num_cached_tokens
@@ -118,25 +120,29 @@ def llama_prompt_ms(base: str | None, prompt: list[int], cache: bool) -> float |
     return float(timings["prompt_ms"]) / 1e3
 
 
-def bench_length(
-    cached: LLMEngine, plain: LLMEngine, timers: dict[str, Timer], length: int, runs: int, llama: str | None
-) -> dict[str, Any]:
-    tok = cached.tokenizer
+def floor_on_loop(engine: LLMEngine, suffix: list[int]) -> float:
+    """:func:`floor_seconds` on the engine's loop thread (its OpenMP pool: see
+    :meth:`LLMEngine.launch`)."""
+    return engine.call(lambda: floor_seconds(engine.model, suffix))
+
+
+def bench_length(engine: LLMEngine, timer: Timer, length: int, runs: int, llama: str | None) -> dict[str, Any]:
+    tok = engine.tokenizer
     prefix = text_tokens(tok, length, seed=length)
     # Every measured prompt has its own suffix: a repeated prompt would also hit the
     # block its own suffix filled the first time, and run fewer tokens.
     suffixes = [text_tokens(tok, SUFFIX_TOKENS, seed=10_000 + length * 100 + r) for r in range(runs + 1)]
-    generate(cached, timers["cached"], f"prime-{length}", prefix + suffixes[-1])
-    floor_seconds(cached.model, suffixes[0])  # warm-up
+    generate(engine, timer, f"prime-{length}", prefix + suffixes[-1])
+    floor_on_loop(engine, suffixes[0])  # warm-up
     llama_prompt_ms(llama, prefix + suffixes[-1], cache=True)
     # The kinds are interleaved run by run, so that load from other processes hits
     # them alike; each measured prompt is used once per engine.
     prompts = [prefix + suffixes[r] for r in range(runs)]
     cold_runs, warm_runs, floor, llama_cold, llama_warm = [], [], [], [], []
     for r in range(runs):
-        cold_runs.append(generate(plain, timers["plain"], f"cold-{length}-{r}", prompts[r]))
-        warm_runs.append(generate(cached, timers["cached"], f"warm-{length}-{r}", prompts[r]))
-        floor.append(floor_seconds(cached.model, suffixes[r]))
+        cold_runs.append(generate(engine, timer, f"cold-{length}-{r}", prompts[r], salt=f"cold-{length}-{r}"))
+        warm_runs.append(generate(engine, timer, f"warm-{length}-{r}", prompts[r]))
+        floor.append(floor_on_loop(engine, suffixes[r]))
         llama_cold.append(llama_prompt_ms(llama, prompts[r], cache=False))
         llama_prompt_ms(llama, prefix + suffixes[-1], cache=True)  # the slot holds the prefix again
         llama_warm.append(llama_prompt_ms(llama, prompts[r], cache=True))
@@ -169,18 +175,18 @@ def bench_length(
     return row
 
 
-def bench_decode_step(cached: LLMEngine, timer: Timer, runs: int) -> dict[str, Any]:
+def bench_decode_step(engine: LLMEngine, timer: Timer, runs: int) -> dict[str, Any]:
     """Per-token decode time of one request running alone vs a bare 1-token forward."""
     tokens = 64
     steps, floor = [], []
-    floor_seconds(cached.model, [5])
+    floor_on_loop(engine, [5])
     for r in range(runs):
-        prompt = text_tokens(cached.tokenizer, 64, seed=90_000 + r)
+        prompt = text_tokens(engine.tokenizer, 64, seed=90_000 + r)
         start = time.perf_counter()
-        ttft, out, _ = generate(cached, timer, f"decode-{r}", prompt, max_tokens=tokens + 1)
+        ttft, out, _ = generate(engine, timer, f"decode-{r}", prompt, max_tokens=tokens + 1)
         total = time.perf_counter() - start
         steps.append((total - ttft) / tokens)
-        floor.append(statistics.median(floor_seconds(cached.model, [out[i]]) for i in range(5)))
+        floor.append(statistics.median(floor_on_loop(engine, [out[i]]) for i in range(5)))
     step, bare = statistics.median(steps) * 1e3, statistics.median(floor) * 1e3
     return {"decode_step_ms": step, "bare_1_token_ms": bare, "ratio": step / bare,
             "decode_step_all_ms": [x * 1e3 for x in steps], "bare_all_ms": [x * 1e3 for x in floor]}
@@ -199,24 +205,21 @@ def main(argv: list[str] | None = None) -> int:
 
     config = EngineConfig(dtype=args.dtype, kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0,
                           weights=args.weights)
-    cached = LLMEngine.from_config(config)
-    plain = LLMEngine(cached.model, cached.tokenizer, EngineConfig(
-        dtype=args.dtype, kv_cache_memory_gib=0.5, enable_prefix_caching=False, served_model_name="plain",
-        weights=args.weights,
-    ))
-    timers = {"cached": Timer(cached), "plain": Timer(plain)}
-    cached.start()
-    plain.start()
+    # One engine, loaded and run on one thread as `prefixgate engine` runs it: a second
+    # engine (or the model called from this thread) would give the process another
+    # OpenMP pool, and with more pool threads than cores every parallel region pays a
+    # wake-up (LLMEngine.launch). Cold 2k prefill measured that way: 3.6 s; alone: ~2 s.
+    cached = LLMEngine.launch(config)
+    timer = Timer(cached)
     try:
         if args.llama:
             with llama_server("-np", "1", log=LOGS / "llama-server-ttft.log") as base:
-                rows = [bench_length(cached, plain, timers, n, args.runs, base) for n in args.lengths]
+                rows = [bench_length(cached, timer, n, args.runs, base) for n in args.lengths]
         else:
-            rows = [bench_length(cached, plain, timers, n, args.runs, None) for n in args.lengths]
-        decode = bench_decode_step(cached, timers["cached"], args.runs)
+            rows = [bench_length(cached, timer, n, args.runs, None) for n in args.lengths]
+        decode = bench_decode_step(cached, timer, args.runs)
     finally:
         cached.shutdown()
-        plain.shutdown()
 
     print(f"TTFT, median of {args.runs} runs, dtype={cached.layout.dtype}, threads={torch.get_num_threads()}")
     header = (
