@@ -22,8 +22,10 @@ from engine.config import (
     DEFAULT_KV_OFFLOAD_SIZE_GIB,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_SPECULATIVE_TOKENS,
     DTYPES,
     KV_COMPRESSIONS,
+    MAX_SPECULATIVE_TOKENS,
     WEIGHTS,
 )
 from engine.contract.images import (
@@ -121,6 +123,12 @@ def add_parser(subparsers: Any) -> None:
                         "compressed requests' kept K/V, which attention reads instead of gathering them from "
                         "the paged cache every step; 0 turns them off; outputs are the same either way "
                         f"(default: {DEFAULT_KV_MIRROR_MEMORY_GIB})")
+    parser.add_argument("--speculative-tokens", type=_speculative_tokens, default=DEFAULT_SPECULATIVE_TOKENS,
+                        metavar="N",
+                        help="speculative decoding: a decoding request's next forward also checks up to N "
+                        "draft tokens looked up in its own prompt and output (prompt lookup); only drafts "
+                        "equal to the tokens it samples are kept, so outputs are the same bit for bit; "
+                        f"0 turns it off (default: {DEFAULT_SPECULATIVE_TOKENS}, at most {MAX_SPECULATIVE_TOKENS})")
     parser.add_argument("--kv-progressive", action="store_true",
                         help="pyramid: compress a long prompt as soon as its first chunk reaches 128 tokens "
                         "and compute the rest over the kept KV, chunk by chunk, selecting again after each "
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             weights=args.weights, kv_compression=args.kv_compression,
             kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
             kv_progressive=args.kv_progressive, kv_layerwise=args.kv_layerwise, kv_mirror_memory_gib=args.kv_mirror_memory,
+            speculative_tokens=args.speculative_tokens,
         )
         _check_model(args.model)
         events_config = None
@@ -291,6 +300,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _speculative_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_SPECULATIVE_TOKENS}, got {text!r}")
     return value
 
 

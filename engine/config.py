@@ -15,6 +15,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_ENCODER_CACHE_MEMORY_GIB = 0.25
 DEFAULT_KV_OFFLOAD_SIZE_GIB = 10.0
 DEFAULT_KV_MIRROR_MEMORY_GIB = 0.5
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 32
 KV_COMPRESSIONS = ("none", "pyramid")
 
 
@@ -45,6 +47,10 @@ class EngineConfig:
     requests' K/V and of compressed requests' kept K/V, read by attention instead of
     gathering them from the pool each step (:mod:`engine.model.kv_mirror`,
     :mod:`engine.model.packed_mirror`; 0 turns them off; outputs are the same either way).
+    ``speculative_tokens``: a decoding request's next forward may also verify up to
+    this many draft tokens looked up in its own text (:mod:`engine.core.ngram_draft`);
+    only drafts equal to what it samples are kept, so outputs are the same bit for bit
+    with any value (0 turns drafting off).
     """
 
     model: str | None = None
@@ -68,6 +74,7 @@ class EngineConfig:
     kv_progressive: bool = False
     kv_layerwise: bool = False
     kv_mirror_memory_gib: float = DEFAULT_KV_MIRROR_MEMORY_GIB
+    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,6 +94,10 @@ class EngineConfig:
         if (not isinstance(self.kv_mirror_memory_gib, int | float) or isinstance(self.kv_mirror_memory_gib, bool)
                 or not 0 <= self.kv_mirror_memory_gib < float("inf")):
             raise ValueError(f"kv_mirror_memory_gib must be a finite number >= 0, got {self.kv_mirror_memory_gib!r}")
+        if (not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool)
+                or not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.speculative_tokens!r}")
         if not isinstance(self.encoder_cache_memory_gib, int | float) or self.encoder_cache_memory_gib < 0:
             raise ValueError(f"encoder_cache_memory_gib must be >= 0, got {self.encoder_cache_memory_gib!r}")
         if self.max_model_len is not None and (

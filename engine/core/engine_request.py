@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.core.assembly import Assembly, assembly_key, exact_head_tokens
 from engine.core.detokenizer import Detokenizer
+from engine.core.ngram_draft import NgramDraft
 from engine.core.output_stream import GenerationRequest, OutputStream
 from engine.core.prompt_logprobs import PromptLogprobs
 from engine.core.sampler import make_generator
@@ -97,6 +98,8 @@ class EngineRequest:
         """Its compression was refused (no room for the packed blocks): exact from then on."""
         self.reserved = 0
         """Blocks the scheduler reserved for it while running (:meth:`Scheduler.reservation`)."""
+        self.draft: NgramDraft | None = None
+        """Its draft-token lookup (speculative decoding), made by the scheduler on its first decode."""
         self.capture_tail = 0
         """Tokens its last prefill chunk computes at least (a compressed request's window:
         the scheduler shortens the chunk before it and its prefix-cache hit to leave them)."""

@@ -34,7 +34,11 @@ class EngineStats:
     """Prompt tokens run through the model (prefix-cache hits and reused module tokens
     not counted; a preempted request's recomputed tokens counted again)."""
     generation_tokens: int = 0
-    """Tokens sampled (one per sampling row: a request's every generated token)."""
+    """Tokens sampled (a request's every generated token)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens verified (speculative decoding, ``speculative_tokens``)."""
+    spec_accepted_tokens: int = 0
+    """Of those, the ones equal to the token sampled (each saved a forward)."""
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     encoder_cache_entries: int = 0

@@ -49,7 +49,7 @@ from engine.core.engine_stats import EngineStats
 from engine.core.output_stream import GenerationRequest, OutputStream, StepOutput, TokenLogprobs
 from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import ModuleProbe, Scheduler, SchedulerOutput
+from engine.core.scheduler import ModuleProbe, ScheduledSequence, Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
 from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_shift import KVShifter
@@ -142,6 +142,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             model=self.model_id,
+            speculative_tokens=config.speculative_tokens,
         )
         rotary = getattr(language_parts(model)[0], "rotary_emb", None) if hasattr(model, "model") else None
         self.shifter = None if rotary is None else KVShifter(self.storage, rotary)
@@ -178,6 +179,8 @@ class LLMEngine:
         self._ttft = (0, 0.0)
         self._prompt_tokens_computed = 0
         self._generation_tokens = 0
+        self._drafted = 0
+        self._accepted_drafts = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -302,6 +305,8 @@ class LLMEngine:
             ttft_sum_s=self._ttft[1],
             prompt_tokens_computed=self._prompt_tokens_computed,
             generation_tokens=self._generation_tokens,
+            spec_draft_tokens=self._drafted,
+            spec_accepted_tokens=self._accepted_drafts,
             module_blocks=self.scheduler.modules.num_module_blocks,
             module_tokens_reused=self.scheduler.modules.module_tokens_reused,
             module_tokens_encoded=self.scheduler.modules.module_tokens_encoded,
@@ -454,12 +459,13 @@ class LLMEngine:
         try:
             inputs = [
                 SequenceInput(
-                    token_ids=s.request.kv.all_token_ids[s.start : s.end],
+                    token_ids=[*s.request.kv.all_token_ids[s.start : s.end], *s.drafts],
                     start=s.start,
                     block_ids=kvm.get_block_ids(s.request.request_id) if s.request.packed is None else [],
                     sample=s.samples,
                     embeds=self._embeds(s.request, s.start, s.end),
-                    prompt_rows=self._prompt_rows(s.request, s.start, s.end),
+                    # a draft is verified by the logits of the row before it
+                    prompt_rows=len(s.drafts) if s.drafts else self._prompt_rows(s.request, s.start, s.end),
                     capture=capture,
                     packed=s.request.packed,
                     layerwise=self.pyramid if s.request.packed is not None and s.request.layerwise else None,
@@ -482,10 +488,13 @@ class LLMEngine:
                 self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
             return
         row = 0
-        for s in work.scheduled:
+        for i, s in enumerate(work.scheduled):
             self._prompt_tokens_computed += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
             s.request.advance(s.end)
-            if s.samples:
+            if s.drafts:
+                self._verify(s, self.runner.prompt_logits[i], logits[row])
+                row += 1
+            elif s.samples:
                 self._generation_tokens += 1  # before the token reaches its consumer
                 self._sample(s.request, logits[row])
                 row += 1
@@ -502,6 +511,26 @@ class LLMEngine:
                 self._reselect(req, capture)
                 if capture is not None and req.packed_from_start and s.start < req.num_prompt_tokens <= s.end:
                     self._count_compression(req, req.num_prompt_tokens)
+
+    def _verify(self, s: ScheduledSequence, draft_logits: torch.Tensor | None, last: torch.Tensor) -> None:
+        """Sample a decode's token and then, while each sampled token equals the next
+        draft, the token after it from the draft's row: the logits of a row depend only
+        on the tokens up to it (row-invariant products, length-invariant attention), so
+        these are the tokens decoding one at a time samples, with the same generator
+        draws. The accepted drafts' K/V become the request's; the scheduler gives the
+        rejected ones' slots back."""
+        req = s.request
+        assert draft_logits is not None
+        rows = [*draft_logits.float(), last]
+        for n, logits in enumerate(rows):
+            self._generation_tokens += 1
+            self._sample(req, logits)
+            if n == len(s.drafts) or req not in self.scheduler.running or req.kv.all_token_ids[-1] != s.drafts[n]:
+                break
+            req.advance(req.num_computed_tokens + 1)  # the draft was right: its K/V stand
+            self._accepted_drafts += 1
+        self._drafted += len(s.drafts)
+        self.scheduler.settle(req)
 
     def _probe(self, probe: ModuleProbe) -> None:
         """Run ``probe`` (:meth:`ModelRunner.probe`) and hand its deviations to the scheduler."""
@@ -590,7 +619,8 @@ class LLMEngine:
         and no forward has run since, so freed blocks among them still hold them."""
         assert self.offload is not None
         try:
-            self.offload.save([(s.request.kv, s.start, s.end, x.block_ids)
+            self.offload.save([(s.request.kv, s.start, s.request.num_computed_tokens if s.drafts else s.end,
+                                x.block_ids)
                                for s, x in zip(work.scheduled, inputs, strict=True) if x.packed is None])
         except Exception:  # the disk tier is an optimisation: never fail requests for it
             logger.exception("KV offload: saving blocks failed")

@@ -5,7 +5,11 @@ admission, block allocation and preemption are decided here and nowhere else.
 Each step (:meth:`Scheduler.schedule`) fills a budget of ``max_num_batched_tokens``:
 
 1. decodes first: one token for every running request with one token left to
-   compute, in admission order;
+   compute, in admission order, plus up to ``speculative_tokens`` draft tokens
+   (:mod:`engine.core.ngram_draft`) while the step's decode rows stay within
+   :data:`SPECULATIVE_ROWS` and the pool keeps a free block per running request after
+   the drafts' slots (drafting never preempts); the engine keeps the drafts that
+   equal what it samples and :meth:`Scheduler.settle` gives the other slots back;
 2. then prefill, shared between tenants (a request's tenant is its
    ``GenerationRequest.tenant``, else its cache salt; requests with neither share
    one tenant). Each tenant with prefill work (running requests still prefilling,
@@ -106,7 +110,8 @@ Invariants:
 * a request is in exactly one of ``waiting`` and ``running`` until it finishes;
   a step schedules a request at most once;
 * between steps a running request holds slots for exactly its
-  ``num_computed_tokens`` (a waiting one holds no block), except a segmented
+  ``num_computed_tokens`` (a waiting one holds no block; a step's draft slots are
+  given back by :meth:`Scheduler.settle`), except a segmented
   request still assembling, which holds slots for all its tokens;
 * the tenants remembered for ordering are those with work (bounded by the requests);
   those remembered for the cost budget and anticipation had prefill work within
@@ -141,6 +146,7 @@ from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from engine.core.assembly import anchor_of
 from engine.core.engine_request import EngineRequest
 from engine.core.module_assembler import ModuleAssembler
+from engine.core.ngram_draft import NgramDraft
 from engine.kvcache.kv_cache_manager import BlockLoader, KVCacheManager
 from engine.model.kv_shift import KVCopy
 from engine.model.packed_kv import PackedKV
@@ -161,6 +167,9 @@ ANTICIPATE_S = 0.05
 """How long the engine may hold its next forward for a light tenant that sends its requests back to back."""
 ANTICIPATE_PAUSES = 4
 """A tenant is anticipated while one of its last this many pauses between requests was at most ``ANTICIPATE_S``."""
+SPECULATIVE_ROWS = 16
+"""Most decode rows (decoding requests plus their draft tokens) a step drafts up to: a
+few decodes gain most from drafts; a large batch already fills the products' rows."""
 
 
 def chunk_cost(start: int, n: int, context_cost_tokens: int, sequence_cost_tokens: int = SEQUENCE_COST_TOKENS,
@@ -200,6 +209,9 @@ class ScheduledSequence:
     request: EngineRequest
     start: int
     num_new_tokens: int
+    drafts: tuple[int, ...] = ()
+    """Draft tokens computed after the decode's token (their slots are reserved as
+    lookahead); the engine keeps those equal to what it samples, in order."""
 
     @property
     def end(self) -> int:
@@ -271,8 +283,9 @@ class _Step:
     def add(self, seq: ScheduledSequence) -> None:
         self.out.scheduled.append(seq)
         self.requests.add(seq.request)
-        self.budget -= seq.num_new_tokens
-        self.cost -= chunk_cost(seq.start, seq.num_new_tokens, self.context_cost_tokens, self.sequence_cost_tokens)
+        n = seq.num_new_tokens + len(seq.drafts)
+        self.budget -= n
+        self.cost -= chunk_cost(seq.start, n, self.context_cost_tokens, self.sequence_cost_tokens)
 
 
 def _water_fill(demands: dict[str | None, int], budget: int) -> dict[str | None, int]:
@@ -322,6 +335,7 @@ class Scheduler:
         context_cost_tokens: int = CONTEXT_COST_TOKENS,
         sequence_cost_tokens: int = SEQUENCE_COST_TOKENS,
         fair_window_s: float = FAIR_WINDOW_S,
+        speculative_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, context_cost_tokens, sequence_cost_tokens) < 1:
@@ -357,6 +371,7 @@ class Scheduler:
         self.context_cost_tokens = context_cost_tokens
         self.sequence_cost_tokens = sequence_cost_tokens
         self.fair_window_s = fair_window_s
+        self.speculative_tokens = speculative_tokens
         self.clock = clock
         # tenant -> (the cost of the demand it arrived with, when it last had prefill work)
         self._active: dict[str | None, tuple[float, float]] = {}
@@ -440,11 +455,14 @@ class Scheduler:
             return SchedulerOutput()
         self.num_steps += 1
         step = _Step(self.max_num_batched_tokens, self.context_cost_tokens, self.sequence_cost_tokens)
+        spare = SPECULATIVE_ROWS - sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
         for req in list(self.running):
             if step.budget <= 0:
                 break
             if req.num_uncomputed_tokens == 1 and req in self.running:
-                self._run(req, 1, step)
+                drafts = self._drafts(req, min(self.speculative_tokens, spare, step.budget - 1))
+                if self._run(req, 1, step, drafts):
+                    spare -= len(step.out.scheduled[-1].drafts)
         step.num_decodes = len(step.out.scheduled)
         queues = self._prefill_queues()
         order = sorted(queues, key=lambda t: self._last_served.get(t, -1))
@@ -559,14 +577,40 @@ class Scheduler:
                 used += admitted
         return used
 
-    def _run(self, req: EngineRequest, n: int, step: _Step) -> bool:
-        """Schedule ``n`` more tokens of a running request; False when it was preempted."""
+    def _run(self, req: EngineRequest, n: int, step: _Step, drafts: list[int] | None = None) -> bool:
+        """Schedule ``n`` more tokens of a running request (a decode: with ``drafts``
+        when their lookahead slots fit, see :meth:`_drafts`); False when it was preempted."""
         if req.assembly is not None and req.assembly.active:
             return self._assemble(req, n, step) > 0
+        if drafts:
+            kv = self.kv_cache_manager
+            per_block = self.block_size
+            need = -(-(kv.num_slots(req.request_id) + n + len(drafts)) // per_block) - len(kv.get_block_ids(req.request_id))
+            if kv.num_free_blocks - need >= len(self.running) and kv.allocate_slots(
+                    req.kv, n, lookahead=len(drafts)) is not None:
+                step.add(ScheduledSequence(req, req.num_computed_tokens, n, tuple(drafts)))
+                return True
         if not self._allocate_or_preempt(req, n, step):
             return False
         step.add(ScheduledSequence(req, req.num_computed_tokens, n))
         return True
+
+    def _drafts(self, req: EngineRequest, most: int) -> list[int]:
+        """Up to ``most`` draft tokens for a decoding exact request (none for a compressed
+        or segmented one), never past its ``max_tokens`` or ``max_model_len``."""
+        most = min(most, req.params.max_tokens - len(req.kv.output_token_ids) - 1,
+                   req.max_model_len - req.kv.num_tokens - 1)
+        if most < 1 or req.packed is not None or req.compress or req.assembly is not None:
+            return []
+        if req.draft is None:
+            req.draft = NgramDraft()
+        return req.draft.propose(req.kv.all_token_ids, most)
+
+    def settle(self, req: EngineRequest) -> None:
+        """After a step that verified ``req``'s drafts: give back the slots past its
+        computed tokens (the rejected drafts'). Nothing for a request that no longer runs."""
+        if req in self.running and req.packed is None:
+            self.kv_cache_manager.trim_slots(req.request_id, req.num_computed_tokens)
 
     def _admit(self, req: EngineRequest, most: int, step: _Step, cost: float) -> int | None:
         """Admit a waiting request with a first chunk of at most ``most`` tokens beyond its

@@ -180,6 +180,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_computed_tokens: int = 0,
         computed_blocks: Sequence[KVCacheBlock] = (),
+        lookahead: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Reserve KV slots for ``num_new_tokens`` more tokens of ``request``.
 
@@ -189,6 +190,12 @@ class KVCacheManager:
         changing nothing, when too few blocks are free (hit blocks still in the free
         queue count against the free blocks). Every block that is now full is cached
         at once, so other requests scheduled in the same step can reuse it.
+
+        ``lookahead``: also reserve that many slots past the request's tokens, for
+        draft tokens (speculative decoding) whose K/V the step writes before they are
+        known to be right. Blocks are cached only as far as the request's own tokens
+        fill them; :meth:`trim_slots` gives the lookahead back once the drafts are
+        judged.
         """
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
@@ -209,11 +216,14 @@ class KVCacheManager:
                 f"num_computed_tokens={num_computed_tokens} does not match "
                 f"{len(computed_blocks)} computed blocks of {self.block_size} tokens"
             )
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be a non-negative int, got {lookahead!r}")
         slots = (self.req_to_slots[rid] if held else num_computed_tokens) + num_new_tokens
         if slots > request.num_tokens:
             raise ValueError(
                 f"request {rid!r} has {request.num_tokens} tokens; cannot reserve {slots} slots"
             )
+        slots += lookahead
         num_needed = -(-slots // self.block_size) - len(held) - len(computed_blocks)
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.block_pool.num_free_blocks - num_evictable_hits:
@@ -231,6 +241,28 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, slots)
         return new_blocks
+
+    def trim_slots(self, request_id: str, num_slots: int) -> None:
+        """Keep only ``num_slots`` of the request's slots (after its draft tokens were
+        judged: the rejected ones' K/V are dropped) and free the blocks past them. A
+        freed block was never cached: :meth:`allocate_slots` caches a block only once
+        the request's own tokens fill it, and ``num_slots`` may not cut into those.
+        Raises ValueError for an unknown request or a ``num_slots`` outside ``[cached
+        tokens, slots held]``."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None or request_id in self.packed:
+            raise ValueError(f"request {request_id!r} holds no exact slots")
+        held = self.req_to_slots[request_id]
+        cached = self.num_cached_blocks[request_id] * self.block_size
+        if not cached <= num_slots <= held:
+            raise ValueError(f"cannot trim request {request_id!r} to {num_slots} slots: it holds {held}, "
+                             f"{cached} of them in cached blocks")
+        keep = -(-num_slots // self.block_size)
+        freed = blocks[keep:]
+        del blocks[keep:]
+        self.req_to_slots[request_id] = num_slots
+        if freed:
+            self.block_pool.free_blocks(freed[::-1])
 
     def _cache_full_blocks(self, request: Request, slots: int) -> None:
         rid = request.request_id

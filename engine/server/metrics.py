@@ -18,6 +18,9 @@ Exposed series (all labelled ``model_name``):
   preempted request's are counted again when recomputed), and
   ``..._generation_tokens_total``: tokens sampled. Their rates are the engine's
   prefill and decode throughput;
+* ``prefixgate_engine_spec_decode_draft_tokens_total`` / ``..._accepted_tokens_total``:
+  draft tokens verified (speculative decoding, ``--speculative-tokens``) and those
+  kept (acceptance rate = accepted / draft; each accepted one saved a forward);
 * ``prefixgate_engine_module_blocks`` (an engine whose model has rotary position
   embeddings): KV blocks holding prompt modules (issue 21),
   ``..._module_reused_tokens_total`` / ``..._module_encoded_tokens_total``: module
@@ -97,6 +100,10 @@ class _EngineCollector(Collector):
         yield _counter("prompt_tokens_computed", "Prompt tokens run through the model (cache hits not counted).",
                        getattr(stats, "prompt_tokens_computed", 0), labels)
         yield _counter("generation_tokens", "Tokens sampled.", getattr(stats, "generation_tokens", 0), labels)
+        yield _counter("spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).",
+                       getattr(stats, "spec_draft_tokens", 0), labels)
+        yield _counter("spec_decode_accepted_tokens", "Draft tokens kept: equal to the token sampled.",
+                       getattr(stats, "spec_accepted_tokens", 0), labels)
         if getattr(self.engine, "supports_images", False):
             yield _counter("encoder_cache_hits", "Image features found in the encoder cache.",
                            stats.encoder_cache_hits, labels)

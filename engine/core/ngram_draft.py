@@ -1,0 +1,60 @@
+"""NgramDraft: draft tokens for speculative decoding, looked up in a request's own text.
+
+Prompt lookup (n-gram) drafting, as vLLM's ``ngram`` speculator: the last ``n``
+tokens of the request (prompt and output so far) are looked up among its earlier
+tokens, longest ``n`` first (``max_n`` down to ``min_n``); where they occurred
+before, the tokens that followed that occurrence (its most recent one) are the
+draft. No draft model, no extra weights: it pays off where the output repeats its
+input or itself (quoting a document, editing code, a list, a small model's loops)
+and drafts nothing, costing nothing, where no n-gram repeats.
+
+The engine verifies a draft in the request's next forward (the draft's rows beside
+its last token) and keeps the drafted tokens only while each equals the token
+sampled from the logits before it, so drafting changes how many forwards a request
+takes, never its tokens: see :mod:`engine.core.llm_engine` (``speculative_tokens``).
+
+An index per request maps every n-gram (``min_n <= n <= max_n``) to the position
+after its latest occurrence, extended as tokens are appended: a lookup costs
+``max_n`` dictionary probes whatever the request's length (a scan of an 8k-token
+context would cost about a millisecond of Python per step). Memory: at most
+``max_n - min_n + 1`` entries per token of the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramDraft:
+    """The drafting state of one request. Changes nothing but itself."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n = max_n
+        self.min_n = min_n
+        self._after: dict[tuple[int, ...], int] = {}
+        """n-gram -> the position right after its latest indexed occurrence."""
+        self._indexed = 0
+        """Occurrences ending before this position are indexed."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """At most ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix of ``tokens`` (``max_n`` .. ``min_n`` tokens) seen before; [] when none
+        repeats. ``tokens`` must extend the tokens of the previous call (a request's
+        tokens only grow)."""
+        if k < 1:
+            return []
+        end = len(tokens)
+        if end < self._indexed:
+            raise ValueError(f"tokens shrank from {self._indexed} to {end}")
+        # index every occurrence ending before ``end`` (the suffix itself is not "before")
+        for stop in range(max(self._indexed, self.min_n), end):
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                self._after[tuple(tokens[stop - n : stop])] = stop
+        self._indexed = max(self._indexed, end)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            at = self._after.get(tuple(tokens[end - n :]))
+            if at is not None:
+                return list(tokens[at : at + k])
+        return []
