@@ -40,9 +40,10 @@ class NgramDraft:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """At most ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix of ``tokens`` (``max_n`` .. ``min_n`` tokens) seen before; [] when none
-        repeats. ``tokens`` must extend the tokens of the previous call (a request's
-        tokens only grow)."""
+        suffix of ``tokens`` (``max_n`` .. ``min_n`` tokens) seen before; where those run
+        out (the occurrence is near the end: a loop), the same lookup continues after
+        the tokens drafted so far. [] when no suffix repeats. ``tokens`` must extend the
+        tokens of the previous call (a request's tokens only grow)."""
         if k < 1:
             return []
         end = len(tokens)
@@ -53,8 +54,19 @@ class NgramDraft:
             for n in range(self.min_n, min(self.max_n, stop) + 1):
                 self._after[tuple(tokens[stop - n : stop])] = stop
         self._indexed = max(self._indexed, end)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            at = self._after.get(tuple(tokens[end - n :]))
+        draft: list[int] = []
+        while len(draft) < k:  # a continuation that runs into the end: look up again after it
+            tail = [*tokens[max(0, end - self.max_n) :], *draft][-self.max_n :]
+            at = self._lookup(tail)
+            if at is None:
+                break
+            draft.extend(tokens[at : at + k - len(draft)])
+        return draft
+
+    def _lookup(self, tail: list[int]) -> int | None:
+        """Where the continuation of the longest indexed suffix of ``tail`` starts."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            at = self._after.get(tuple(tail[len(tail) - n :]))
             if at is not None:
-                return list(tokens[at : at + k])
-        return []
+                return at
+        return None

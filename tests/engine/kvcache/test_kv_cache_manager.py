@@ -422,3 +422,49 @@ def test_repack_reads_before_freeing_never_holds_both_tables_and_keeps_shared_bl
     h.free(a)
     h.free(b)
     assert h.m.num_free_blocks == 6 and not h.m.packed
+
+
+def test_lookahead_slots_are_never_cached_and_trimming_gives_them_back():
+    """Speculative decoding: a decode reserves slots for its draft tokens past the
+    request's tokens; only blocks its own tokens fill are cached, and trimming back to
+    the accepted tokens frees the rest."""
+    h = Harness(10, 4)
+    a = Request("a", toks(0, 7))
+    h.schedule(a, 6)  # the prompt's last token is the decode's
+    assert h.m.num_slots("a") == 6
+    new = h.m.allocate_slots(a, 1, lookahead=6)  # 13 slots: blocks 0..3
+    h.m.check_integrity()
+    assert len(new) == 2 and h.m.num_slots("a") == 13
+    blocks = [h.m.block_pool.blocks[i] for i in h.ids(a)]
+    assert blocks[1].block_hash is None  # positions 4..6 are the request's, 7 a draft's: not full of its own
+    assert all(b.block_hash is None for b in blocks[2:])
+    a.append_output_token_ids([50, 51])  # two drafts accepted (7 and 8 computed), the third rejected
+    h.m.trim_slots("a", 9)
+    h.m.check_integrity()
+    assert h.m.num_slots("a") == 9 and h.ids(a) == [b.block_id for b in blocks[:3]]
+    assert h.m.block_pool.blocks[blocks[3].block_id].ref_cnt == 0
+    # the next decode caches the block the accepted tokens filled
+    a.append_output_token_ids([52])
+    h.m.allocate_slots(a, 1)
+    h.m.check_integrity()
+    assert blocks[1].block_hash == a.block_hashes[1]
+    h.free(a)
+    assert h.m.num_free_blocks == 10
+
+
+def test_trim_slots_refuses_to_cut_cached_blocks_or_grow():
+    h = Harness(10, 4)
+    a = Request("a", toks(0, 9))
+    h.schedule(a, 8)  # blocks 0 and 1 full and cached
+    h.m.allocate_slots(a, 1, lookahead=2)
+    with pytest.raises(ValueError, match="cannot trim"):
+        h.m.trim_slots("a", 7)
+    with pytest.raises(ValueError, match="cannot trim"):
+        h.m.trim_slots("a", 12)
+    with pytest.raises(ValueError, match="holds no exact slots"):
+        h.m.trim_slots("nobody", 0)
+    with pytest.raises(ValueError, match="lookahead"):
+        h.m.allocate_slots(a, 0, lookahead=-1)
+    h.m.trim_slots("a", 9)
+    h.m.check_integrity()
+    h.free(a)

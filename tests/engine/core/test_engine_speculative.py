@@ -1,0 +1,191 @@
+"""Speculative decoding (prompt-lookup drafts): the same tokens, bit for bit, in fewer forwards.
+
+Each scenario runs on two tiny engines, one drafting (``speculative_tokens``) and one
+not, and compares every token and log-probability; the engine fixtures check that
+all blocks are free afterwards, and each engine's ``check_integrity`` runs after
+every step through a spy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from engine.core.forced_tokens import ForcedTokens
+from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.core.scheduler import SPECULATIVE_ROWS
+
+_ids = itertools.count()
+LOOP = [300, 301, 302, 303, 304, 305] * 6  # a prompt that repeats: drafts find matches
+
+
+@pytest.fixture
+def checked_steps(monkeypatch):
+    """Counts forwards and checks the KV cache manager's integrity after every step."""
+    counts: dict[int, int] = {}
+    real = LLMEngine.step
+
+    def step(self):
+        before = self.stats().num_running
+        real(self)
+        self.kv_cache_manager.check_integrity()
+        if before:
+            counts[id(self)] = counts.get(id(self), 0) + 1
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    return counts
+
+
+def run(engine, prompts, **params):
+    """Submit all prompts at once; per request its tokens and (token, logprob, top) triples."""
+    params.setdefault("max_tokens", 40)
+    params.setdefault("temperature", 0.0)
+
+    async def go():
+        streams = [engine.submit(GenerationRequest(f"s-{next(_ids)}", list(p), SamplingParams(**params)))
+                   for p in prompts]
+
+        async def collect(stream):
+            return [o async for o in stream]
+
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = []
+    for outputs in asyncio.run(go()):
+        assert outputs[-1].finished
+        results.append(([t for o in outputs for t in o.new_token_ids],
+                        [(x.token_id, x.logprob, x.top) for o in outputs for x in (o.logprobs or [])],
+                        outputs[-1].finish_reason))
+    return results
+
+
+def both(make_tiny_engine, prompts, k=4, **params):
+    plain = run(make_tiny_engine(speculative_tokens=0), prompts, **params)
+    drafting = make_tiny_engine(speculative_tokens=k)
+    return plain, run(drafting, prompts, **params), drafting.stats()
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_with_drafts(make_tiny_engine, checked_steps):
+    prompts = [LOOP, [7, 8, 9, 7, 8, 9, 7, 8], list(range(500, 540))]
+    plain, drafting, stats = both(make_tiny_engine, [prompts[0]], logprobs=3, ignore_eos=True)
+    assert drafting == plain
+    assert stats.spec_draft_tokens > 0  # the random model's tokens rarely match: rejected drafts
+    plain, drafting, _ = both(make_tiny_engine, prompts[1:], logprobs=2, ignore_eos=True)
+    assert drafting == plain
+
+
+@pytest.fixture
+def oracle_drafts(monkeypatch):
+    """Fault injection: drafts from a reference run (``oracle.runs``: prompt -> the
+    tokens decoding produced), every third one with a wrong token at a varying place,
+    so drafts are kept whole, in part and not at all."""
+    from engine.core.ngram_draft import NgramDraft
+
+    class Oracle:
+        runs: dict[tuple[int, ...], list[int]] = {}
+        calls = 0
+
+    def propose(self, tokens, k):
+        for prompt, ref in Oracle.runs.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                j = len(tokens) - len(prompt)
+                draft = list(ref[j : j + k])
+                Oracle.calls += 1
+                if Oracle.calls % 3 == 0 and draft:
+                    draft[Oracle.calls % len(draft)] += 1
+                return draft
+        return []
+
+    monkeypatch.setattr(NgramDraft, "propose", propose)
+    return Oracle
+
+
+def test_seeded_sampling_draws_the_same_tokens(make_tiny_engine, checked_steps, oracle_drafts):
+    """A draft is kept only when the token drawn from the row before it (with the
+    request's generator, one draw per token) equals it: the draws are decoding's own."""
+    prompts = [LOOP, LOOP[3:] + [9]]
+    sampling = dict(temperature=0.7, seed=11, top_k=5, logprobs=1, ignore_eos=True, max_tokens=48)
+    plain = run(make_tiny_engine(speculative_tokens=0), prompts, **sampling)
+    oracle_drafts.runs = {tuple(p): r[0] for p, r in zip(prompts, plain, strict=True)}
+    drafting = make_tiny_engine(speculative_tokens=5)
+    assert run(drafting, prompts, **sampling) == plain
+    stats = drafting.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
+def test_greedy_batches_keep_the_same_tokens_with_drafts_kept_in_part(make_tiny_engine, checked_steps,
+                                                                      oracle_drafts):
+    prompts = [LOOP, list(range(700, 760)), [5] * 20]
+    plain = run(make_tiny_engine(speculative_tokens=0), prompts, logprobs=2, ignore_eos=True)
+    oracle_drafts.runs = {tuple(p): r[0] for p, r in zip(prompts, plain, strict=True)}
+    drafting = make_tiny_engine(speculative_tokens=4, max_num_batched_tokens=32)
+    assert run(drafting, prompts, logprobs=2, ignore_eos=True) == plain
+    assert drafting.stats().spec_accepted_tokens > 20
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
+def test_max_tokens_and_stop_tokens_end_where_decoding_ends(make_tiny_engine, checked_steps, max_tokens):
+    plain, drafting, _ = both(make_tiny_engine, [LOOP], max_tokens=max_tokens, ignore_eos=True)
+    assert drafting == plain and len(drafting[0][0]) == max_tokens
+    tokens = run(make_tiny_engine(speculative_tokens=0), [LOOP], max_tokens=30, ignore_eos=True)[0][0]
+    stop = tokens[7]
+    plain, drafting, _ = both(make_tiny_engine, [LOOP], max_tokens=30, ignore_eos=True, stop_token_ids=(stop,))
+    assert drafting == plain and drafting[0][2] == "stop"
+
+
+def test_a_constraint_advances_once_per_kept_token(make_tiny_engine, checked_steps):
+    """Teacher forcing (a constraint that admits one sequence) through drafts: the
+    constraint sees exactly the kept tokens, in order."""
+    forced = ([301, 302, 303, 304, 305, 300] * 4)[:20]
+
+    def go(k):
+        engine = make_tiny_engine(speculative_tokens=k)
+        stream = engine.submit(GenerationRequest(
+            f"f-{next(_ids)}", LOOP,
+            SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, constraint=ForcedTokens(forced))))
+        outputs = stream.result(timeout=120)
+        return [t for o in outputs for t in o.new_token_ids], [x.logprob for o in outputs for x in o.logprobs or []]
+
+    plain, drafting = go(0), go(4)
+    assert drafting == plain and drafting[0] == forced
+    # the forced tokens repeat the prompt: drafts are kept, and the same tokens took fewer forwards
+    plain_engine, drafting_engine = make_tiny_engine.engines
+    assert drafting_engine.stats().spec_accepted_tokens >= 10
+    assert checked_steps[id(drafting_engine)] <= checked_steps[id(plain_engine)] / 2
+
+
+def test_a_batch_with_prefill_and_drafts_matches_one_at_a_time(make_tiny_engine, checked_steps):
+    prompts = [LOOP, [9, 10, 11] * 9, list(range(1000, 1300)), LOOP[2:] + [40, 41]]
+    engine = make_tiny_engine(speculative_tokens=0, max_num_batched_tokens=64)
+    alone = [run(engine, [p], max_tokens=24, ignore_eos=True)[0] for p in prompts]
+    drafting = make_tiny_engine(speculative_tokens=6, max_num_batched_tokens=64)
+    assert run(drafting, prompts, max_tokens=24, ignore_eos=True) == alone
+    assert drafting.stats().spec_accepted_tokens > 0
+
+
+def test_many_decodes_draft_within_the_row_budget(make_tiny_engine, monkeypatch):
+    rows = []
+    from engine.model.runner import ModelRunner
+
+    real = ModelRunner.execute
+
+    def spy(self, sequences):
+        decodes = [s for s in sequences if s.start > 0 and s.sample and s.prompt_rows == len(s.token_ids) - 1]
+        rows.append(sum(len(s.token_ids) for s in decodes))
+        return real(self, sequences)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    engine = make_tiny_engine(speculative_tokens=8)
+    run(engine, [LOOP[i:] for i in range(12)], max_tokens=16, ignore_eos=True)
+    assert max(rows) <= SPECULATIVE_ROWS
+    assert engine.stats().spec_draft_tokens > 0
+
+
+def test_speculative_tokens_is_validated():
+    from engine.config import EngineConfig
+
+    for bad in (-1, 33, 2.0, True):
+        with pytest.raises(ValueError, match="speculative_tokens"):
+            EngineConfig(speculative_tokens=bad)
