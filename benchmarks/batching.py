@@ -141,6 +141,23 @@ async def level(url: str, model: str, prompts: list[list[int]], tokens: int) -> 
     }
 
 
+def spec_counters(base: str) -> tuple[float, float] | None:
+    """A prefixgate engine's draft and accepted token counters (speculative decoding),
+    None for another server."""
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        for key in ("spec_decode_draft_tokens_total", "spec_decode_accepted_tokens_total"):
+            if line.startswith(f"prefixgate_engine_{key}"):
+                found[key] = float(line.rsplit(" ", 1)[1])
+    if len(found) != 2:
+        return None
+    return found["spec_decode_draft_tokens_total"], found["spec_decode_accepted_tokens_total"]
+
+
 def run_server(
     name: str, base: str, model: str, tok: Any, streams: list[int], tokens: int, seed: int, shared_case: bool
 ) -> dict[str, Any]:
@@ -148,10 +165,16 @@ def run_server(
     asyncio.run(level(base, model, [text_tokens(tok, 24, seed)], 8))  # warm-up
     for n in streams:
         prompts = [text_tokens(tok, 24, seed + 1000 * n + i) for i in range(n)]
+        before = spec_counters(base)
         row = asyncio.run(level(base, model, prompts, tokens))
+        after = spec_counters(base)
+        spec = ""
+        if before is not None and after is not None:
+            row["draft_tokens"], row["accepted_tokens"] = after[0] - before[0], after[1] - before[1]
+            spec = f", drafts kept {row['accepted_tokens']:.0f}/{row['draft_tokens']:.0f}"
         print(f"  {name:>8} {n:>3} streams: {row['tokens_per_s']:7.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:8.0f} ms "
               f"p99 {row['ttft_p99_ms']:8.0f} ms, latency p50 {row['latency_p50_ms']:8.0f} ms, "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+              f"load {os.getloadavg()[0]:.1f}{spec}", flush=True)
         out["levels"].append(row)
     out["load_avg_after"] = os.getloadavg()
     if not shared_case:
@@ -225,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-threads", type=int, default=None, metavar="N",
                         help="--threads for both prefixgate engines (default: torch's, one per core)")
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
-                        choices=["batched", "seq1", "llama"])
+                        choices=["batched", "nospec", "seq1", "llama"],
+                        help="nospec: the batched engine with --speculative-tokens 0 (default: batched seq1 llama)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers in turn this many times; figures are medians (default: 1)")
     parser.add_argument("--weights", choices=["dense", "q4_1"], default="dense",
@@ -243,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     flags += ["--weights", args.weights]
     servers = {
         "batched": lambda: engine_server(*flags, log=LOGS / "engine-batched.log"),
+        "nospec": lambda: engine_server("--speculative-tokens", "0", *flags, log=LOGS / "engine-nospec.log"),
         "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
         "llama16": lambda: llama_server("-np", "16", "-c", "32768", log=LOGS / "llama-server-np16.log"),
@@ -250,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     for round_no in range(args.rounds):
         this: dict[str, Any] = {}
-        for i, name in enumerate(args.servers):
+        for name in args.servers:
             streams = {"seq1": args.seq1_streams, "llama": args.llama_streams}.get(name) or args.streams
             print(f"{name}: starting" + (f" (round {round_no + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
             shared = name in args.shared and round_no == 0
@@ -260,11 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                 for key, levels, with_shared in (("llama", small, shared), ("llama16", large, False)):
                     if levels:
                         with servers[key]() as base:
-                            parts.append(run_server(key, base, model, tok, levels, args.tokens, 17 + i, with_shared))
+                            parts.append(run_server(key, base, model, tok, levels, args.tokens, 17, with_shared))
                 this[name] = {**parts[0], "levels": [row for part in parts for row in part["levels"]]}
                 continue
             with servers[name]() as base:
-                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17 + i, shared)
+                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17, shared)
         rounds.append(this)
     results = medians(rounds)
 
@@ -290,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         targets["8_streams_vs_llama"] = b8["tokens_per_s"] / l8["tokens_per_s"]
         targets["8_streams_at_least_llama"] = targets["8_streams_vs_llama"] >= 1
     b64, s64 = find("batched", 64), find("seq1", 64)
+    for n in (1, 8, 16):
+        ours, peer, plain = find("batched", n), find("llama", n), find("nospec", n)
+        if ours and peer:
+            targets[f"{n}_streams_vs_llama"] = ours["tokens_per_s"] / peer["tokens_per_s"]
+        if ours and plain:
+            targets[f"{n}_streams_vs_nospec"] = ours["tokens_per_s"] / plain["tokens_per_s"]
     if b64 and s64:
         targets["64_streams_ttft_p50_ratio"] = b64["ttft_p50_ms"] / s64["ttft_p50_ms"]
         targets["64_streams_ttft_p50_at_most_quarter"] = targets["64_streams_ttft_p50_ratio"] <= 0.25

@@ -470,6 +470,7 @@ class LLMEngine:
                     packed=s.request.packed,
                     layerwise=self.pyramid if s.request.packed is not None and s.request.layerwise else None,
                     joins=i > 0 and work.scheduled[i - 1].request is s.request,  # a segmented request's runs
+                    as_decodes=bool(s.drafts),
                     mirror=s.request.request_id if s.request.assembly is None else None,
                 )
                 for i, (s, capture) in enumerate(zip(work.scheduled, captures, strict=True))

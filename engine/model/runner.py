@@ -84,6 +84,11 @@ class SequenceInput:
     there (exact, not assembled from modules): a long one is then read from its mirror
     (:mod:`engine.model.kv_mirror`); a compressed one's decodes from its packed mirror
     (:mod:`engine.model.packed_mirror`); None: always gathered."""
+    as_decodes: bool = False
+    """Its tokens are attended as decode rows, each over the positions up to its own (a
+    decode and its draft tokens, speculative decoding): batched with the step's other
+    decodes, with the bits of decoding them one at a time. Where the request is
+    mirrored (long), as one slice over the mirror instead (the same bits too)."""
     joins: bool = False
     """Attended as one slice with the previous sequence (the same request and block
     table, later positions, which did not sample): a segmented request's runs, whose
@@ -103,6 +108,7 @@ class _Joined:
     mirror: str | None = None
     index: int = 0
     """The sequence (of the step's) that ends it: its logit row's place in the output."""
+    as_decodes: bool = False
 
 
 class ModelRunner:
@@ -178,6 +184,11 @@ class ModelRunner:
                 groups.append(DecodeGroup.build([row], [start], [table], storage, mirror))
             elif n == 1:
                 decodes.setdefault(len(table), []).append((row, start, table))
+            elif joined.as_decodes and mirror is None and not spread:
+                for i in range(n):  # each row over its own positions, as a decode
+                    own = [*joined.block_ids[: -(-(start + i + 1) // bs)]]
+                    own += [storage.pad_block] * (-(-padded_length(start + i + 1) // bs) - len(own))
+                    decodes.setdefault(len(own), []).append((row + i, start + i, own))
             else:
                 slices.append(SequenceSlice(row, n, start, storage.rows(table), capture=joined.capture,
                                             positions=torch.tensor(joined.positions) if spread else None,
@@ -202,7 +213,8 @@ class ModelRunner:
             starts[index] = row
             if seq.joins:
                 if (joined is None or joined.sample or seq.start <= joined.positions[-1] or seq.packed is not None
-                        or seq.embeds or seq.prompt_rows or seq.capture is not None):
+                        or seq.embeds or seq.prompt_rows or seq.capture is not None or seq.as_decodes
+                        or joined.as_decodes):
                     raise ValueError("a joining sequence continues a non-sampling sequence at later positions")
                 ids.extend(seq.token_ids)
                 positions.extend(range(seq.start, end))
@@ -236,7 +248,7 @@ class ModelRunner:
                 continue
             slots.extend(storage.slot_ids(seq.block_ids, seq.start, end))
             joined = _Joined(row, list(range(seq.start, end)), seq.block_ids, seq.capture, seq.sample, seq.mirror,
-                             index)
+                             index, seq.as_decodes)
         close()
         logit_rows = [row for _, row in sorted(sampled)]
         groups += [

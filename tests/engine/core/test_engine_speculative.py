@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import ClassVar
 
 import pytest
 
@@ -84,7 +85,7 @@ def oracle_drafts(monkeypatch):
     from engine.core.ngram_draft import NgramDraft
 
     class Oracle:
-        runs: dict[tuple[int, ...], list[int]] = {}
+        runs: ClassVar[dict[tuple[int, ...], list[int]]] = {}
         calls = 0
 
     def propose(self, tokens, k):
@@ -105,7 +106,7 @@ def oracle_drafts(monkeypatch):
 def test_seeded_sampling_draws_the_same_tokens(make_tiny_engine, checked_steps, oracle_drafts):
     """A draft is kept only when the token drawn from the row before it (with the
     request's generator, one draw per token) equals it: the draws are decoding's own."""
-    prompts = [LOOP, LOOP[3:] + [9]]
+    prompts = [LOOP, [*LOOP[3:], 9]]
     sampling = dict(temperature=0.7, seed=11, top_k=5, logprobs=1, ignore_eos=True, max_tokens=48)
     plain = run(make_tiny_engine(speculative_tokens=0), prompts, **sampling)
     oracle_drafts.runs = {tuple(p): r[0] for p, r in zip(prompts, plain, strict=True)}
@@ -157,7 +158,7 @@ def test_a_constraint_advances_once_per_kept_token(make_tiny_engine, checked_ste
 
 
 def test_a_batch_with_prefill_and_drafts_matches_one_at_a_time(make_tiny_engine, checked_steps):
-    prompts = [LOOP, [9, 10, 11] * 9, list(range(1000, 1300)), LOOP[2:] + [40, 41]]
+    prompts = [LOOP, [9, 10, 11] * 9, list(range(1000, 1300)), [*LOOP[2:], 40, 41]]
     engine = make_tiny_engine(speculative_tokens=0, max_num_batched_tokens=64)
     alone = [run(engine, [p], max_tokens=24, ignore_eos=True)[0] for p in prompts]
     drafting = make_tiny_engine(speculative_tokens=6, max_num_batched_tokens=64)
