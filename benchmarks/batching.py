@@ -26,6 +26,14 @@ llama.cpp's server runs with ``-np 8`` (8 slots) for levels of up to 8 streams a
 second one with ``-np 16`` for the levels above (a fair peer at 16 streams: with 8
 slots half of them would wait).
 
+``nospec`` is the batched engine with ``--speculative-tokens 0`` (no drafts: the
+engine's one-token-per-forward decoding); each engine level reports how many draft
+tokens it verified and kept (from ``/metrics``). Every server gets the same
+prompts. ``--workload chat`` replaces the 24-token text prompts with chat questions
+in the model's template: the text prompts' greedy continuations repeat themselves
+(the bundled model loops on them), so drafts are mostly kept, while chat answers
+repeat little.
+
 ``--rounds N`` repeats the servers in turn N times (batched, seq1, llama, batched,
 ...; the shared-prefix case only in the first round); the table and the targets
 then use each figure's median over the rounds, and the JSON keeps every round and
@@ -35,9 +43,10 @@ other work that the next server does not see; alternating rounds spreads it.
 Usage: .venv/bin/python benchmarks/batching.py [--streams 1 4 8 16 64] [--tokens 128]
        [--seq1-streams ...] [--llama-streams ...] [--servers batched seq1 llama]
        [--shared batched seq1 llama] [--engine-threads N] [--rounds N] [--profile]
-       [--weights dense|q4_1]
+       [--weights dense|q4_1] [--workload text|chat]
 Example: .venv/bin/python benchmarks/batching.py --streams 1 8 --rounds 3
 Example: .venv/bin/python benchmarks/batching.py --profile --streams 1 8
+Example: .venv/bin/python benchmarks/batching.py --streams 1 8 16 --servers batched nospec llama --workload chat
 """
 
 from __future__ import annotations
@@ -89,6 +98,29 @@ def text_tokens(tok: Any, n: int, seed: int) -> list[int]:
             ids = tok.encode(" ".join(parts), add_special_tokens=False)
             if len(ids) >= n:
                 return list(ids[:n])
+
+
+CHAT_QUESTIONS = [
+    "How do I fix a flat bicycle tyre?", "Write a short poem about the sea.", "What is the capital of France?",
+    "Explain how a bicycle gear works.", "Give me three tips for commuting by bike in winter.",
+    "What should I check before a long ride?", "Summarize the plot of Romeo and Juliet.",
+    "How often should I oil my chain?", "Why is the sky blue?", "Write a haiku about autumn.",
+    "What is the difference between a road bike and a gravel bike?", "How do I choose a helmet?",
+    "Tell me a fun fact about octopuses.", "Explain photosynthesis to a child.",
+    "What are the benefits of cycling to work?", "How do I adjust my brakes?",
+]
+
+
+def chat_tokens(tok: Any, seed: int) -> list[int]:
+    """A chat request's prompt (the model's template, one user question), chosen by ``seed``."""
+    question = CHAT_QUESTIONS[(seed * 7919) % len(CHAT_QUESTIONS)]
+    return list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+def prompt_tokens(tok: Any, workload: str, seed: int) -> list[int]:
+    """A stream's prompt: 24 tokens of English-like text (``text``) or a chat question (``chat``)."""
+    return chat_tokens(tok, seed) if workload == "chat" else text_tokens(tok, 24, seed)
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -159,12 +191,13 @@ def spec_counters(base: str) -> tuple[float, float] | None:
 
 
 def run_server(
-    name: str, base: str, model: str, tok: Any, streams: list[int], tokens: int, seed: int, shared_case: bool
+    name: str, base: str, model: str, tok: Any, streams: list[int], tokens: int, seed: int, shared_case: bool,
+    workload: str = "text",
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"levels": [], "load_avg_before": os.getloadavg()}
     asyncio.run(level(base, model, [text_tokens(tok, 24, seed)], 8))  # warm-up
     for n in streams:
-        prompts = [text_tokens(tok, 24, seed + 1000 * n + i) for i in range(n)]
+        prompts = [prompt_tokens(tok, workload, seed + 1000 * n + i) for i in range(n)]
         before = spec_counters(base)
         row = asyncio.run(level(base, model, prompts, tokens))
         after = spec_counters(base)
@@ -245,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", nargs="*", default=["batched", "seq1", "llama"],
                         help="servers that also run the shared-prefix case (default: all)")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--workload", choices=["text", "chat"], default="text",
+                        help="the streams' prompts: 24 tokens of English-like text, whose greedy continuation "
+                        "by the bundled model repeats itself (drafts are often kept), or chat questions in the "
+                        "model's template (they rarely are) (default: text)")
     parser.add_argument("--engine-threads", type=int, default=None, metavar="N",
                         help="--threads for both prefixgate engines (default: torch's, one per core)")
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
@@ -285,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                 for key, levels, with_shared in (("llama", small, shared), ("llama16", large, False)):
                     if levels:
                         with servers[key]() as base:
-                            parts.append(run_server(key, base, model, tok, levels, args.tokens, 17, with_shared))
+                            parts.append(run_server(key, base, model, tok, levels, args.tokens, 17, with_shared,
+                                                   args.workload))
                 this[name] = {**parts[0], "levels": [row for part in parts for row in part["levels"]]}
                 continue
             with servers[name]() as base:
-                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17, shared)
+                this[name] = run_server(name, base, model, tok, streams, args.tokens, 17, shared, args.workload)
         rounds.append(this)
     results = medians(rounds)
 
@@ -336,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets:", ", ".join(_show(k, v) for k, v in targets.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "benchmark": "batching", "output_tokens": args.tokens,
+        "benchmark": "batching", "output_tokens": args.tokens, "workload": args.workload,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_end": os.getloadavg()},
         "engine_threads": args.engine_threads, "weights": args.weights, "rounds": args.rounds, "servers": results, "targets": targets,
         "per_round": rounds if args.rounds > 1 else None,

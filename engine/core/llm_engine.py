@@ -523,14 +523,18 @@ class LLMEngine:
         req = s.request
         assert draft_logits is not None
         rows = [*draft_logits.float(), last]
+        kept = 0
         for n, logits in enumerate(rows):
             self._generation_tokens += 1
             self._sample(req, logits)
             if n == len(s.drafts) or req not in self.scheduler.running or req.kv.all_token_ids[-1] != s.drafts[n]:
                 break
             req.advance(req.num_computed_tokens + 1)  # the draft was right: its K/V stand
-            self._accepted_drafts += 1
+            kept += 1
         self._drafted += len(s.drafts)
+        self._accepted_drafts += kept
+        if req.draft is not None:
+            req.draft.record(len(s.drafts), kept)
         self.scheduler.settle(req)
 
     def _probe(self, probe: ModuleProbe) -> None:

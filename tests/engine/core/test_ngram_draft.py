@@ -76,3 +76,19 @@ def test_bad_sizes_and_shrinking_tokens_are_value_errors():
     d.propose([1, 2, 3, 1, 2], 2)
     with pytest.raises(ValueError, match="shrank"):
         d.propose([1, 2], 2)
+
+
+def test_the_draft_length_grows_when_kept_and_shrinks_when_cut():
+    d = NgramDraft()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    assert d.propose(tokens, 6) == [3, 4, 5, 6, 7, 8]  # no draft judged yet: up to k
+    d.record(6, 2)
+    assert d.length == 5 and len(d.propose(tokens, 8)) == 5
+    d.record(5, 5)
+    assert d.length == 7
+    d.record(1, 0)
+    assert d.length == 1
+    d.record(0, 0)  # nothing drafted: nothing learnt
+    assert d.length == 1 and d.propose(tokens, 8) == [3]
+    with pytest.raises(ValueError, match="kept 3 of 2"):
+        d.record(2, 3)
