@@ -166,7 +166,7 @@ def test_a_batch_with_prefill_and_drafts_matches_one_at_a_time(make_tiny_engine,
     assert drafting.stats().spec_accepted_tokens > 0
 
 
-def test_many_decodes_draft_within_the_row_budget(make_tiny_engine, monkeypatch):
+def test_many_decodes_draft_within_the_row_budget(make_tiny_engine, monkeypatch, oracle_drafts):
     rows = []
     from engine.model.runner import ModelRunner
 
@@ -174,14 +174,18 @@ def test_many_decodes_draft_within_the_row_budget(make_tiny_engine, monkeypatch)
 
     def spy(self, sequences):
         decodes = [s for s in sequences if s.start > 0 and s.sample and s.prompt_rows == len(s.token_ids) - 1]
-        rows.append(sum(len(s.token_ids) for s in decodes))
+        rows.append((len(decodes), sum(len(s.token_ids) for s in decodes)))
         return real(self, sequences)
 
+    prompts = [LOOP[i:] for i in range(6)]
+    plain = run(make_tiny_engine(speculative_tokens=0), prompts, max_tokens=16, ignore_eos=True)
+    oracle_drafts.runs = {tuple(p): r[0] for p, r in zip(prompts, plain, strict=True)}
     monkeypatch.setattr(ModelRunner, "execute", spy)
     engine = make_tiny_engine(speculative_tokens=8)
-    run(engine, [LOOP[i:] for i in range(12)], max_tokens=16, ignore_eos=True)
-    assert max(rows) <= SPECULATIVE_ROWS
+    assert run(engine, prompts, max_tokens=16, ignore_eos=True) == plain
     assert engine.stats().spec_draft_tokens > 0
+    assert all(total <= max(SPECULATIVE_ROWS, n) for n, total in rows)
+    assert any(total > n for n, total in rows)
 
 
 def test_speculative_tokens_is_validated():
