@@ -287,8 +287,9 @@ def throughput(docs: dict[str, list[int]], tokens: int, retention: float, window
         prompts = [shared + tails[i * TAIL : (i + 1) * TAIL] for i in range(STREAMS)]
     gib = (4 * per_request + 8) * bytes_per_block / 2**30
     budget = {} if batched_tokens is None else {"max_num_batched_tokens": batched_tokens}
+    # no draft tokens: compressed requests never draft, so exact ones must not either
     engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=gib, seed=0, num_threads=threads, **budget,
-                                           kv_min_retention=retention, kv_window=window))
+                                           kv_min_retention=retention, kv_window=window, speculative_tokens=0))
     out: dict[str, Any] = {"prompts": "distinct" if distinct else "shared 1,920-token prefix", "pool_blocks": engine.kv_cache_manager.num_blocks, "blocks_per_exact_request": per_request,
                            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                            "streams": STREAMS, "output_tokens_each": tokens}
@@ -362,7 +363,7 @@ def main() -> int:
                               "platform": platform.platform()}, "load_avg_before": os.getloadavg(),
                               "window": args.window, "chunk": args.chunk}
     engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=1.0, seed=0, num_threads=args.threads,
-                                           kv_window=args.window))
+                                           kv_window=args.window, speculative_tokens=0))
     tok = engine.tokenizer
     docs = documents(tok)
     bytes_per_block = engine.layout.bytes_per_block

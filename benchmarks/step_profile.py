@@ -80,7 +80,8 @@ def profile_decode(streams: int, steps: int, prompts: list[list[int]], num_threa
                    weights: str = "dense") -> dict[str, Any]:
     """Per-step milliseconds of each part of a decode step with ``streams`` running
     requests (``prompts``: one per stream), plain and profiled (see the module doc)."""
-    engine = LLMEngine.launch(EngineConfig(num_threads=num_threads, seed=0, weights=weights))
+    # plain decode steps: one token per request (no draft rows)
+    engine = LLMEngine.launch(EngineConfig(num_threads=num_threads, seed=0, weights=weights, speculative_tokens=0))
     try:
         return _measure(engine, streams, steps, prompts)
     finally:

@@ -16,8 +16,8 @@ is the prefix followed by a short unique suffix:
   figure is the server's own ``timings.prompt_ms`` (prompt processing up to the
   first token), the counterpart of the engine's arrival-to-first-token.
 
-The decode step: one request decoding alone (64-token prompt, 64 tokens), the
-time per generated token after the first, against a bare forward of one token
+The decode step: one request decoding alone (64-token prompt, 64 tokens, no draft
+tokens: one forward per token), the time per generated token after the first, against a bare forward of one token
 (no cache, stock SDPA), interleaved run by run.
 
 The kinds are interleaved run by run within one run of this script, and every
@@ -203,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engines' projections (EngineConfig.weights; default: dense)")
     args = parser.parse_args(argv)
 
+    # no draft tokens: the decode step is one forward per token (speculative decoding,
+    # measured by batching.py, would divide it by the drafts kept)
     config = EngineConfig(dtype=args.dtype, kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0,
-                          weights=args.weights)
+                          weights=args.weights, speculative_tokens=0)
     # One engine, loaded and run on one thread as `prefixgate engine` runs it: a second
     # engine (or the model called from this thread) would give the process another
     # OpenMP pool, and with more pool threads than cores every parallel region pays a
