@@ -495,3 +495,31 @@ def test_a_long_prompt_keeps_every_other_step_when_one_of_its_tokens_costs_more_
             finish_step(sched, out)
     assert sum(1 for part in shared if part) >= 2 and all(part in ([], [1]) for part in shared)
     assert heavy.num_computed_tokens > start
+
+
+def test_drafts_take_lookahead_slots_only_while_blocks_stay_free_and_settle_gives_them_back():
+    """Speculative decoding: a decode of a repeating request gets draft tokens, whose
+    slots come from free blocks only (never by preempting), and settle() trims the
+    rejected ones'."""
+    sched = make(num_blocks=5, speculative_tokens=4, max_num_batched_tokens=64)
+    loop = request(9, max_tokens=20)
+    loop.kv._all_token_ids[:] = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    sched.add(loop)
+    finish_step(sched, sched.schedule())  # the prompt, then a sampled 1
+    (s,) = sched.schedule().scheduled
+    assert s.num_new_tokens == 1 and s.drafts == (2, 3, 1, 2)  # what followed [2, 3, 1] last
+    kv = sched.kv_cache_manager
+    assert kv.num_slots(loop.request_id) == s.end + 4 == 14
+    s.request.num_computed_tokens = s.end + 1  # the first draft (2) was sampled, then 7, not 3
+    s.request.kv.append_output_token_ids([2, 7])
+    sched.settle(loop)
+    kv.check_integrity()
+    assert kv.num_slots(loop.request_id) == loop.num_computed_tokens == 11
+    # a pool with no block to spare beyond one per running request: no drafts
+    tight = make(num_blocks=4, speculative_tokens=4, max_num_batched_tokens=64)
+    other = request(12, max_tokens=20)
+    other.kv._all_token_ids[:] = [1, 2, 3] * 4
+    tight.add(other)
+    finish_step(tight, tight.schedule())
+    (s,) = tight.schedule().scheduled
+    assert s.drafts == () and tight.num_preemptions == 0

@@ -194,3 +194,29 @@ def test_speculative_tokens_is_validated():
     for bad in (-1, 33, 2.0, True):
         with pytest.raises(ValueError, match="speculative_tokens"):
             EngineConfig(speculative_tokens=bad)
+
+
+def test_a_long_request_verifies_drafts_over_its_mirror(make_engine, oracle_drafts, monkeypatch):
+    """Past 1k tokens a request's K/V are read from its mirror (engine.model.kv_mirror):
+    draft rows are then one slice over it, and a rejected draft's K/V are overwritten
+    by the next forward; tokens and log-probabilities stay decoding's."""
+    from engine.model.kv_mirror import KVMirrors
+
+    uses = []
+    real_use = KVMirrors.use
+
+    def use(self, *args, **kwargs):
+        mirror = real_use(self, *args, **kwargs)
+        uses.append(mirror is not None)
+        return mirror
+
+    monkeypatch.setattr(KVMirrors, "use", use)
+    prompt = [100 + (i * 37) % 3000 for i in range(1100)]
+    settings = dict(kv_compression="none", kv_cache_memory_gib=0.02)
+    plain = run(make_engine(speculative_tokens=0, **settings), [prompt], max_tokens=40, logprobs=2, ignore_eos=True)
+    oracle_drafts.runs = {tuple(prompt): plain[0][0]}
+    drafting = make_engine(speculative_tokens=4, **settings)
+    assert run(drafting, [prompt], max_tokens=40, logprobs=2, ignore_eos=True) == plain
+    stats = drafting.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert any(uses)
