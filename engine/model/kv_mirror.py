@@ -30,8 +30,10 @@ requests that are not assembled from prompt modules (their copies and recomputes
 rewrite positions in place) and not compressed; the runner mirrors it once its
 padded length reaches :data:`MIN_TOKENS`. A mirror is dropped when its request
 finishes or is preempted (:meth:`KVMirrors.forget`), when its block table no longer
-starts with the blocks it was filled from, and least recently used first when a new
-one would pass the memory budget (a request that does not fit is gathered as before).
+starts with the blocks its kept positions were filled from (a rejected draft's block
+given back does not count: its positions are computed again), and least recently
+used first when a new one would pass the memory budget (a request that does not fit
+is gathered as before).
 
 Invariants: the mirrors' bytes never exceed the budget; positions below ``valid``
 equal the pool's K/V of the request's blocks.
@@ -188,8 +190,10 @@ class KVMirrors:
             return None
         bs = self.storage.layout.block_size
         entry = self._entries.pop(key, None)
-        if entry is not None and tuple(block_ids[: len(entry.blocks)]) != entry.blocks:
-            entry.valid, entry.blocks = 0, ()  # preempted and re-admitted elsewhere: refill
+        if entry is not None:  # the blocks of the positions it keeps (before ``start``) must be the same
+            keep = -(-min(entry.valid, start) // bs)
+            if tuple(block_ids[:keep]) != entry.blocks[:keep]:
+                entry.valid, entry.blocks = 0, ()  # preempted and re-admitted elsewhere: refill
         if entry is None or entry.room < length:
             moved = self._buffer(length)
             if moved is None:

@@ -220,3 +220,22 @@ def test_a_long_request_verifies_drafts_over_its_mirror(make_engine, oracle_draf
     stats = drafting.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert any(uses)
+
+
+@pytest.mark.parametrize("bad", ["-1", "33", "2.5", "many"])
+def test_the_cli_refuses_a_bad_draft_count_in_one_line(bad, capsys):
+    from gateway.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["engine", "--speculative-tokens", bad])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speculative-tokens" in err and "Traceback" not in err
+
+
+def test_the_cli_passes_the_draft_count_to_the_engine():
+    from gateway.cli import build_parser
+
+    args = build_parser().parse_args(["engine", "--speculative-tokens", "0"])
+    assert args.speculative_tokens == 0
+    assert build_parser().parse_args(["engine"]).speculative_tokens == 4

@@ -103,8 +103,11 @@ def test_computed_and_generated_token_counters_render_the_engines_figures():
     kv = KVCacheManager(4, 4)
 
     def stats():
-        return SimpleNamespace(**vars(holder(kv).stats()), prompt_tokens_computed=1234, generation_tokens=56)
+        return SimpleNamespace(**vars(holder(kv).stats()), prompt_tokens_computed=1234, generation_tokens=56,
+                               spec_draft_tokens=40, spec_accepted_tokens=31)
 
     got = samples(EngineMetrics(SimpleNamespace(stats=stats), "m").render().decode())
     assert got["prefixgate_engine_prompt_tokens_computed_total"] == 1234
     assert got["prefixgate_engine_generation_tokens_total"] == 56
+    assert got["prefixgate_engine_spec_decode_draft_tokens_total"] == 40
+    assert got["prefixgate_engine_spec_decode_accepted_tokens_total"] == 31
