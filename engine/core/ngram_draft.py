@@ -59,11 +59,11 @@ class NgramDraft:
             self.length = drafted + 2 if kept == drafted else max(1, drafted - 1)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """At most ``k`` tokens (and :attr:`length`) that followed the latest earlier occurrence of the longest
-        suffix of ``tokens`` (``max_n`` .. ``min_n`` tokens) seen before; where those run
-        out (the occurrence is near the end: a loop), the same lookup continues after
-        the tokens drafted so far. [] when no suffix repeats. ``tokens`` must extend the
-        tokens of the previous call (a request's tokens only grow)."""
+        """At most ``k`` tokens (and :attr:`length`) that followed the latest earlier
+        occurrence of the longest suffix of ``tokens`` (``max_n`` .. ``min_n`` tokens);
+        where those run out (the occurrence is near the end: a loop), the same lookup
+        continues after the tokens drafted so far. [] when no suffix repeats. ``tokens``
+        must extend the tokens of the previous call (a request's tokens only grow)."""
         if self.length is not None:
             k = min(k, self.length)
         if k < 1:

@@ -586,14 +586,11 @@ class Scheduler:
         when their lookahead slots fit, see :meth:`_drafts`); False when it was preempted."""
         if req.assembly is not None and req.assembly.active:
             return self._assemble(req, n, step) > 0
-        if drafts:
-            kv = self.kv_cache_manager
-            per_block = self.block_size
-            need = -(-(kv.num_slots(req.request_id) + n + len(drafts)) // per_block) - len(kv.get_block_ids(req.request_id))
-            if kv.num_free_blocks - need >= len(self.running) and kv.allocate_slots(
-                    req.kv, n, lookahead=len(drafts)) is not None:
-                step.add(ScheduledSequence(req, req.num_computed_tokens, n, tuple(drafts)))
-                return True
+        kv = self.kv_cache_manager
+        if (drafts and kv.num_free_blocks - kv.num_new_blocks(req.request_id, n + len(drafts)) >= len(self.running)
+                and kv.allocate_slots(req.kv, n, lookahead=len(drafts)) is not None):
+            step.add(ScheduledSequence(req, req.num_computed_tokens, n, tuple(drafts)))
+            return True
         if not self._allocate_or_preempt(req, n, step):
             return False
         step.add(ScheduledSequence(req, req.num_computed_tokens, n))

@@ -113,6 +113,11 @@ class KVCacheManager:
         """Token slots reserved for the request (0 for an unknown request)."""
         return self.req_to_slots.get(request_id, 0)
 
+    def num_new_blocks(self, request_id: str, num_new_slots: int) -> int:
+        """Blocks the request would take from the pool for ``num_new_slots`` more slots."""
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return max(0, -(-(self.num_slots(request_id) + num_new_slots) // self.block_size) - held)
+
     # --------------------------------------------------------------- operations
     def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the start of ``request``.

@@ -50,6 +50,14 @@ from engine.model.pyramid import AttentionCapture, PyramidSchedule
 from engine.model.q4_weights import Q4Matrix
 
 
+def padded_table(block_ids: Sequence[int], end: int, storage: KVStorage) -> list[int]:
+    """The block table attention reads for positions ``0 .. end - 1``: the blocks that
+    hold them, then the storage's pad block up to ``padded_length(end)`` positions."""
+    bs = storage.layout.block_size
+    used = -(-end // bs)
+    return [*block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
+
+
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence's work in a step: compute ``token_ids`` at positions ``start ..``.
@@ -173,8 +181,7 @@ class ModelRunner:
             if joined is None:
                 return
             row, n, start, end = joined.row, len(joined.positions), joined.positions[0], joined.positions[-1] + 1
-            used = -(-end // bs)
-            table = [*joined.block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // bs) - used)
+            table = padded_table(joined.block_ids, end, storage)
             spread = joined.positions[-1] - start + 1 != n
             mirror = (None if joined.mirror is None or spread else
                       self.mirrors.use(joined.mirror, joined.block_ids, row, start, end, len(table) * bs))
@@ -186,8 +193,7 @@ class ModelRunner:
                 decodes.setdefault(len(table), []).append((row, start, table))
             elif joined.as_decodes and mirror is None and not spread:
                 for i in range(n):  # each row over its own positions, as a decode
-                    own = [*joined.block_ids[: -(-(start + i + 1) // bs)]]
-                    own += [storage.pad_block] * (-(-padded_length(start + i + 1) // bs) - len(own))
+                    own = padded_table(joined.block_ids, start + i + 1, storage)
                     decodes.setdefault(len(own), []).append((row + i, start + i, own))
             else:
                 slices.append(SequenceSlice(row, n, start, storage.rows(table), capture=joined.capture,
@@ -308,8 +314,7 @@ class ModelRunner:
         n, end = len(token_ids), start + len(token_ids)
         if n < 1:
             raise ValueError("a probe must cover at least one token")
-        used = -(-end // storage.layout.block_size)
-        table = [*block_ids[:used]] + [storage.pad_block] * (-(-padded_length(end) // storage.layout.block_size) - used)
+        table = padded_table(block_ids, end, storage)
         pad = -n % self._llama.row_multiple
         ids = [*token_ids, *[0] * pad]
         positions = [*range(start, end), *[0] * pad]

@@ -432,6 +432,7 @@ def test_lookahead_slots_are_never_cached_and_trimming_gives_them_back():
     a = Request("a", toks(0, 7))
     h.schedule(a, 6)  # the prompt's last token is the decode's
     assert h.m.num_slots("a") == 6
+    assert h.m.num_new_blocks("a", 7) == 2 and h.m.num_new_blocks("a", 2) == 0 and h.m.num_new_blocks("b", 5) == 2
     new = h.m.allocate_slots(a, 1, lookahead=6)  # 13 slots: blocks 0..3
     h.m.check_integrity()
     assert len(new) == 2 and h.m.num_slots("a") == 13
