@@ -598,10 +598,12 @@ class Scheduler:
 
     def _drafts(self, req: EngineRequest, most: int) -> list[int]:
         """Up to ``most`` draft tokens for a decoding exact request (none for a compressed
-        or segmented one), never past its ``max_tokens`` or ``max_model_len``."""
+        or segmented one, nor while its prompt log-probabilities are pending), never past
+        its ``max_tokens`` or ``max_model_len``."""
         most = min(most, req.params.max_tokens - len(req.kv.output_token_ids) - 1,
                    req.max_model_len - req.kv.num_tokens - 1)
-        if most < 1 or req.packed is not None or req.compress or req.assembly is not None:
+        if (most < 1 or req.packed is not None or req.compress or req.assembly is not None
+                or req.prompt_logprobs is not None):  # the last prompt token's rows score the prompt
             return []
         if req.draft is None:
             req.draft = NgramDraft()

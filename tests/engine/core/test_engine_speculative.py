@@ -188,6 +188,28 @@ def test_many_decodes_draft_within_the_row_budget(make_tiny_engine, monkeypatch,
     assert any(total > n for n, total in rows)
 
 
+def test_prompt_logprobs_are_the_same_with_drafts(make_tiny_engine, oracle_drafts):
+    """A prompt whose last chunk is its last token alone (a 16-token budget) decodes
+    that token like a decode: it must not draft while its prompt log-probabilities
+    are pending; later decodes do."""
+    prompt = [*LOOP[:32], 77]
+
+    def go(k):
+        engine = make_tiny_engine(speculative_tokens=k, max_num_batched_tokens=16)
+        stream = engine.submit(GenerationRequest(f"p-{next(_ids)}", prompt, SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2)))
+        outputs = stream.result(timeout=120)
+        return ([t for o in outputs for t in o.new_token_ids],
+                [(x.token_id, x.logprob, x.top, x.rank) if x else None for o in outputs for x in o.prompt_logprobs or []],
+                [x.logprob for o in outputs for x in o.logprobs or []]), engine
+
+    plain, _ = go(0)
+    oracle_drafts.runs = {tuple(prompt): plain[0]}
+    drafting, engine = go(4)
+    assert drafting == plain and len(plain[1]) == len(prompt)
+    assert engine.stats().spec_accepted_tokens > 0
+
+
 def test_speculative_tokens_is_validated():
     from engine.config import EngineConfig
 
