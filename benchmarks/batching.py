@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", nargs="*", default=["batched", "seq1", "llama"],
                         help="servers that also run the shared-prefix case (default: all)")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--speculative-tokens", type=int, default=None, metavar="N",
+                        help="--speculative-tokens of the batched engine (default: the engine's)")
     parser.add_argument("--workload", choices=["text", "chat"], default="text",
                         help="the streams' prompts: 24 tokens of English-like text, whose greedy continuation "
                         "by the bundled model repeats itself (drafts are often kept), or chat questions in the "
@@ -302,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     model = "SmolLM2-135M-Instruct"
     flags = [] if args.engine_threads is None else ["--threads", str(args.engine_threads)]
     flags += ["--weights", args.weights]
+    spec = [] if args.speculative_tokens is None else ["--speculative-tokens", str(args.speculative_tokens)]
     servers = {
-        "batched": lambda: engine_server(*flags, log=LOGS / "engine-batched.log"),
+        "batched": lambda: engine_server(*flags, *spec, log=LOGS / "engine-batched.log"),
         "nospec": lambda: engine_server("--speculative-tokens", "0", *flags, log=LOGS / "engine-nospec.log"),
         "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
