@@ -41,7 +41,7 @@ from engine.model.attention import (
     SequenceSlice,
     padded_length,
 )
-from engine.model.kv_mirror import KVMirrors, MirrorUse
+from engine.model.kv_mirror import MIN_TOKENS, KVMirrors, MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
@@ -95,8 +95,10 @@ class SequenceInput:
     as_decodes: bool = False
     """Its tokens are attended as decode rows, each over the positions up to its own (a
     decode and its draft tokens, speculative decoding): batched with the step's other
-    decodes, with the bits of decoding them one at a time. Where the request is
-    mirrored (long), as one slice over the mirror instead (the same bits too)."""
+    decodes, with the bits of decoding them one at a time. A long request (padded
+    length from :data:`~engine.model.kv_mirror.MIN_TOKENS`) is attended as one slice
+    instead, over its mirror or one gather (a decode row gathers its whole context:
+    five rows, five gathers); the same bits too."""
     joins: bool = False
     """Attended as one slice with the previous sequence (the same request and block
     table, later positions, which did not sample): a segmented request's runs, whose
@@ -191,7 +193,7 @@ class ModelRunner:
                 groups.append(DecodeGroup.build([row], [start], [table], storage, mirror))
             elif n == 1:
                 decodes.setdefault(len(table), []).append((row, start, table))
-            elif joined.as_decodes and mirror is None and not spread:
+            elif joined.as_decodes and mirror is None and not spread and len(table) * bs < MIN_TOKENS:
                 for i in range(n):  # each row over its own positions, as a decode
                     own = padded_table(joined.block_ids, start + i + 1, storage)
                     decodes.setdefault(len(own), []).append((row + i, start + i, own))

@@ -218,10 +218,10 @@ def test_speculative_tokens_is_validated():
             EngineConfig(speculative_tokens=bad)
 
 
-def test_a_long_request_verifies_drafts_over_its_mirror(make_engine, oracle_drafts, monkeypatch):
-    """Past 1k tokens a request's K/V are read from its mirror (engine.model.kv_mirror):
-    draft rows are then one slice over it, and a rejected draft's K/V are overwritten
-    by the next forward; tokens and log-probabilities stay decoding's."""
+def test_a_long_request_verifies_drafts_as_one_slice(make_engine, oracle_drafts, monkeypatch):
+    """Past 1k tokens a request's K/V are read from its mirror (engine.model.kv_mirror),
+    or gathered once: its draft rows are one slice over them, and a rejected draft's
+    K/V are overwritten by the next forward; tokens and log-probabilities stay decoding's."""
     from engine.model.kv_mirror import KVMirrors
 
     uses = []
@@ -237,11 +237,13 @@ def test_a_long_request_verifies_drafts_over_its_mirror(make_engine, oracle_draf
     settings = dict(kv_compression="none", kv_cache_memory_gib=0.02)
     plain = run(make_engine(speculative_tokens=0, **settings), [prompt], max_tokens=40, logprobs=2, ignore_eos=True)
     oracle_drafts.runs = {tuple(prompt): plain[0][0]}
-    drafting = make_engine(speculative_tokens=4, **settings)
-    assert run(drafting, [prompt], max_tokens=40, logprobs=2, ignore_eos=True) == plain
-    stats = drafting.stats()
-    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
-    assert any(uses)
+    for mirrors in (0.5, 0):  # over the mirror; without mirrors, over one gather
+        uses.clear()
+        drafting = make_engine(speculative_tokens=4, kv_mirror_memory_gib=mirrors, **settings)
+        assert run(drafting, [prompt], max_tokens=40, logprobs=2, ignore_eos=True) == plain
+        stats = drafting.stats()
+        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+        assert any(uses) == bool(mirrors)
 
 
 @pytest.mark.parametrize("bad", ["-1", "33", "2.5", "many"])
