@@ -263,3 +263,30 @@ def test_the_cli_passes_the_draft_count_to_the_engine():
     args = build_parser().parse_args(["engine", "--speculative-tokens", "0"])
     assert args.speculative_tokens == 0
     assert build_parser().parse_args(["engine"]).speculative_tokens == 4
+
+
+def test_a_failed_forward_with_drafts_frees_every_slot(make_tiny_engine, oracle_drafts, monkeypatch):
+    """Fault injection: the forward that verifies drafts raises. The request finishes
+    with an error, its lookahead slots go back with its blocks (the fixture checks that
+    every block is free), and the next request runs normally."""
+    from engine.model.runner import ModelRunner
+
+    plain = run(make_tiny_engine(speculative_tokens=0), [LOOP], max_tokens=12, ignore_eos=True)
+    oracle_drafts.runs = {tuple(LOOP): plain[0][0]}
+    real = ModelRunner.execute
+    failed = []
+
+    def execute(self, sequences):
+        if any(s.as_decodes for s in sequences) and not failed:
+            failed.append(True)
+            raise RuntimeError("injected")
+        return real(self, sequences)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    engine = make_tiny_engine(speculative_tokens=4)
+    stream = engine.submit(GenerationRequest(f"x-{next(_ids)}", LOOP, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                        ignore_eos=True)))
+    outputs = stream.result(timeout=120)
+    assert failed and outputs[-1].finish_reason == "error" and "injected" in (outputs[-1].error or "")
+    engine.kv_cache_manager.check_integrity()
+    assert run(engine, [LOOP], max_tokens=12, ignore_eos=True) == plain
