@@ -492,12 +492,11 @@ class LLMEngine:
         for i, s in enumerate(work.scheduled):
             self._prompt_tokens_computed += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
             s.request.advance(s.end)
-            if s.drafts:
-                self._verify(s, self.runner.prompt_logits[i], logits[row])
-                row += 1
-            elif s.samples:
-                self._generation_tokens += 1  # before the token reaches its consumer
-                self._sample(s.request, logits[row])
+            if s.samples:
+                if s.drafts:
+                    self._verify(s, self.runner.prompt_logits[i], logits[row])
+                else:
+                    self._sample(s.request, logits[row])
                 row += 1
         if self.offload is not None:  # after sampling: first tokens do not wait for the copies
             self._offload(work, inputs)
@@ -525,7 +524,6 @@ class LLMEngine:
         rows = [*draft_logits.float(), last]
         kept = 0
         for n, logits in enumerate(rows):
-            self._generation_tokens += 1
             self._sample(req, logits)
             if n == len(s.drafts) or req not in self.scheduler.running or req.kv.all_token_ids[-1] != s.drafts[n]:
                 break
@@ -642,6 +640,7 @@ class LLMEngine:
         return self.embedder.embeds(req.mm_inputs, req.kv.cache_salt, start, end)
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> None:
+        self._generation_tokens += 1  # before the token reaches its consumer
         first = not req.kv.output_token_ids
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
