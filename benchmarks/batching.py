@@ -28,7 +28,9 @@ slots half of them would wait).
 
 ``nospec`` is the batched engine with ``--speculative-tokens 0`` (no drafts: the
 engine's one-token-per-forward decoding); each engine level reports how many draft
-tokens it verified and kept (from ``/metrics``). Every server gets the same
+tokens it verified and kept (from ``/metrics``). ``bf16dec`` is the batched engine with
+``--no-q4-decode`` (its decode steps read the bfloat16 weights, not the GGUF's 4-bit
+blocks: the same outputs, more bytes a step). Every server gets the same
 prompts. ``--workload chat`` replaces the 24-token text prompts with chat questions
 in the model's template: the text prompts' greedy continuations repeat themselves
 (the bundled model loops on them), so drafts are mostly kept, while chat answers
@@ -287,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-threads", type=int, default=None, metavar="N",
                         help="--threads for both prefixgate engines (default: torch's, one per core)")
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
-                        choices=["batched", "nospec", "seq1", "llama"],
-                        help="nospec: the batched engine with --speculative-tokens 0 (default: batched seq1 llama)")
+                        choices=["batched", "nospec", "bf16dec", "seq1", "llama"],
+                        help="nospec: the batched engine with --speculative-tokens 0; bf16dec: with "
+                        "--no-q4-decode (default: batched seq1 llama)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers in turn this many times; figures are medians (default: 1)")
     parser.add_argument("--weights", choices=["dense", "q4_1"], default="dense",
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = {
         "batched": lambda: engine_server(*flags, *spec, log=LOGS / "engine-batched.log"),
         "nospec": lambda: engine_server("--speculative-tokens", "0", *flags, log=LOGS / "engine-nospec.log"),
+        "bf16dec": lambda: engine_server("--no-q4-decode", *flags, log=LOGS / "engine-bf16dec.log"),
         "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
         "llama16": lambda: llama_server("-np", "16", "-c", "32768", log=LOGS / "llama-server-np16.log"),
@@ -357,11 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         targets["8_streams_at_least_llama"] = targets["8_streams_vs_llama"] >= 1
     b64, s64 = find("batched", 64), find("seq1", 64)
     for n in (1, 8, 16):
-        ours, peer, plain = find("batched", n), find("llama", n), find("nospec", n)
+        ours, peer, plain, bf16 = find("batched", n), find("llama", n), find("nospec", n), find("bf16dec", n)
         if ours and peer:
             targets[f"{n}_streams_vs_llama"] = ours["tokens_per_s"] / peer["tokens_per_s"]
         if ours and plain:
             targets[f"{n}_streams_vs_nospec"] = ours["tokens_per_s"] / plain["tokens_per_s"]
+        if ours and bf16:
+            targets[f"{n}_streams_vs_bf16dec"] = ours["tokens_per_s"] / bf16["tokens_per_s"]
     if b64 and s64:
         targets["64_streams_ttft_p50_ratio"] = b64["ttft_p50_ms"] / s64["ttft_p50_ms"]
         targets["64_streams_ttft_p50_at_most_quarter"] = targets["64_streams_ttft_p50_ratio"] <= 0.25

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
 from engine.model.linear import Int4Linear, PackedLinear
+from engine.model.q4_decode import Q4DecodeLinear
 from engine.model.q4_weights import Q4Matrix
 
 
@@ -61,7 +62,14 @@ def supports(model: Any) -> bool:
     )
 
 
-Projection = PackedLinear | Int4Linear
+Projection = PackedLinear | Int4Linear | Q4DecodeLinear
+
+
+def _fused_blocks(q4: Mapping[str, Q4Matrix]) -> dict[str, Q4Matrix]:
+    """A layer's Q4_1 blocks fused as the forward multiplies them: ``qkv``, ``o``,
+    ``gate_up``, ``down``."""
+    return {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
+            "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
 
 
 @dataclass
@@ -103,10 +111,13 @@ class LlamaForward:
     alone (attention pads its own products; RMSNorm and the elementwise ops are
     row-independent at any count, measured at 1-32 rows on 1 and 2 threads)."""
 
-    def __init__(self, model: Any, q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+    def __init__(self, model: Any, q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None,
+                 q4_decode: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
         """``q4_layers``: per layer, its projections (``q k v o gate up down``) as Q4_1
         blocks, multiplied with :class:`~engine.model.linear.Int4Linear` instead of the
-        model's dense weights (ValueError if they do not fit the model)."""
+        model's dense weights (ValueError if they do not fit the model). ``q4_decode``:
+        the same blocks, read by the few-row products of the dense weights where they
+        give the dense bits (:class:`~engine.model.q4_decode.Q4DecodeLinear`)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         base, lm_head, config = language_parts(model)
@@ -120,24 +131,27 @@ class LlamaForward:
         self.norm = base.norm.weight
         self.lm_head = PackedLinear(lm_head.weight)
         layers = base.layers[: config.num_hidden_layers]
-        if q4_layers is not None and len(q4_layers) != len(layers):
-            raise ValueError(f"{len(q4_layers)} layers of 4-bit weights for a model of {len(layers)}")
-        self.layers = [self._fuse(layer, None if q4_layers is None else q4_layers[i]) for i, layer in enumerate(layers)]
+        for blocks in (q4_layers, q4_decode):
+            if blocks is not None and len(blocks) != len(layers):
+                raise ValueError(f"{len(blocks)} layers of 4-bit weights for a model of {len(layers)}")
+        self.layers = [self._fuse(layer, None if q4_layers is None else q4_layers[i],
+                                  None if q4_decode is None else q4_decode[i]) for i, layer in enumerate(layers)]
         products = [self.lm_head, *(p for x in self.layers for p in (x.qkv, x.o, x.gate_up, x.down))]
         self.row_multiple = 1 if all(p.any_rows for p in products) else ROW_MULTIPLE
 
     @staticmethod
-    def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None) -> _Layer:
+    def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None, decode: Mapping[str, Q4Matrix] | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])
         dense = {"qkv": qkv, "o": attn.o_proj.weight, "gate_up": gate_up, "down": mlp.down_proj.weight}
         projections: dict[str, Projection]
         if q4 is None:
-            projections = {name: PackedLinear(weight) for name, weight in dense.items()}
+            fused = None if decode is None else _fused_blocks(decode)
+            projections = {name: PackedLinear(weight) if fused is None else Q4DecodeLinear.wrap(PackedLinear(weight), fused[name])
+                           for name, weight in dense.items()}
         else:
-            blocks = {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
-                      "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
+            blocks = _fused_blocks(q4)
             for name, matrix in blocks.items():
                 if tuple(matrix.codes.shape) != tuple(dense[name].shape):
                     raise ValueError(f"4-bit {name} is {tuple(matrix.codes.shape)}, the model's {tuple(dense[name].shape)}")

@@ -125,10 +125,12 @@ class ModelRunner:
     """Executes batched forwards of a causal LM against a :class:`KVStorage`."""
 
     def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None,
-                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None, mirror_bytes: int = 0) -> None:
+                 q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None, mirror_bytes: int = 0,
+                 q4_decode: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
         """``q4_layers``: the model's projections as Q4_1 blocks (the Llama forward then
-        multiplies with them; ValueError for another forward). ``mirror_bytes``: the
-        budget of :attr:`mirrors`."""
+        multiplies with them; ValueError for another forward). ``q4_decode``: the same
+        blocks, for the Llama forward's few-row products with the dense bits (ignored by
+        the generic forward). ``mirror_bytes``: the budget of :attr:`mirrors`."""
         attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
@@ -147,7 +149,7 @@ class ModelRunner:
         if q4_layers is not None and not self.lean:
             raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
-            self._llama = llama.LlamaForward(model, q4_layers)
+            self._llama = llama.LlamaForward(model, q4_layers, q4_decode)
         else:
             attention.install(model)
             self._linears = linear.TiledLinears(model)
