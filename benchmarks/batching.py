@@ -29,7 +29,7 @@ slots half of them would wait).
 ``nospec`` is the batched engine with ``--speculative-tokens 0`` (no drafts: the
 engine's one-token-per-forward decoding); each engine level reports how many draft
 tokens it verified and kept (from ``/metrics``). ``bf16dec`` is the batched engine with
-``--no-q4-decode`` (its decode steps read the bfloat16 weights, not the GGUF's 4-bit
+``--no-gguf-decode`` (its decode steps read the bfloat16 weights, not the GGUF's 4-bit
 blocks: the same outputs, more bytes a step). Every server gets the same
 prompts. ``--workload chat`` replaces the 24-token text prompts with chat questions
 in the model's template: the text prompts' greedy continuations repeat themselves
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", nargs="+", default=["batched", "seq1", "llama"],
                         choices=["batched", "nospec", "bf16dec", "seq1", "llama"],
                         help="nospec: the batched engine with --speculative-tokens 0; bf16dec: with "
-                        "--no-q4-decode (default: batched seq1 llama)")
+                        "--no-gguf-decode (default: batched seq1 llama)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the servers in turn this many times; figures are medians (default: 1)")
     parser.add_argument("--weights", choices=["dense", "q4_1"], default="dense",
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = {
         "batched": lambda: engine_server(*flags, *spec, log=LOGS / "engine-batched.log"),
         "nospec": lambda: engine_server("--speculative-tokens", "0", *flags, log=LOGS / "engine-nospec.log"),
-        "bf16dec": lambda: engine_server("--no-q4-decode", *flags, log=LOGS / "engine-bf16dec.log"),
+        "bf16dec": lambda: engine_server("--no-gguf-decode", *flags, log=LOGS / "engine-bf16dec.log"),
         "seq1": lambda: engine_server("--max-num-seqs", "1", *flags, log=LOGS / "engine-seq1.log"),
         "llama": lambda: llama_server("-np", "8", "-c", "32768", log=LOGS / "llama-server.log"),
         "llama16": lambda: llama_server("-np", "16", "-c", "32768", log=LOGS / "llama-server-np16.log"),

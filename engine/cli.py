@@ -107,7 +107,7 @@ def add_parser(subparsers: Any) -> None:
                         help="projections: dense (the checkpoint in --dtype) or q4_1 (opt-in: the GGUF's "
                         "4-bit blocks as shipped, faster decoding, other numbers; a Llama GGUF in "
                         "bfloat16) (default: dense)")
-    parser.add_argument("--no-q4-decode", action="store_true",
+    parser.add_argument("--no-gguf-decode", action="store_true",
                         help="with dense weights, keep the bfloat16 weights for decode steps too; by default "
                         "a GGUF's Q4_1 blocks (the bundled model's) serve products of up to 8 rows with the "
                         "same bits, a third of the bytes read (same outputs either way)")
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             weights=args.weights, kv_compression=args.kv_compression,
             kv_min_retention=args.kv_min_retention, kv_window=args.kv_window,
             kv_progressive=args.kv_progressive, kv_layerwise=args.kv_layerwise, kv_mirror_memory_gib=args.kv_mirror_memory,
-            speculative_tokens=args.speculative_tokens, q4_decode=not args.no_q4_decode,
+            speculative_tokens=args.speculative_tokens, gguf_decode=not args.no_gguf_decode,
         )
         _check_model(args.model)
         events_config = None

@@ -36,9 +36,9 @@ class EngineConfig:
     ``weights="q4_1"`` (opt-in, a Llama GGUF in bfloat16) multiplies the projections
     with the file's Q4_1 blocks (:class:`~engine.model.linear.Int4Linear`) instead of
     the dense checkpoint: faster decoding, other numbers than ``"dense"``.
-    ``q4_decode`` (with ``"dense"``, bfloat16, a GGUF of Q4_1 projections such as the
+    ``gguf_decode`` (with ``"dense"``, bfloat16, a GGUF of Q4_1 projections such as the
     bundled one): products of a few rows (decodes, drafts) read the file's 4-bit blocks
-    instead of the bfloat16 weights, with the same bits (:mod:`engine.model.q4_decode`;
+    instead of the bfloat16 weights, with the same bits (:mod:`engine.model.gguf_decode`;
     probed at load, off where they would differ): outputs are the same either way.
     ``kv_compression="pyramid"`` (opt-in; a request may choose either way) keeps a
     share of each layer's KV after prefill, falling with depth to
@@ -79,7 +79,7 @@ class EngineConfig:
     kv_layerwise: bool = False
     kv_mirror_memory_gib: float = DEFAULT_KV_MIRROR_MEMORY_GIB
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    q4_decode: bool = True
+    gguf_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,8 +90,8 @@ class EngineConfig:
             raise ValueError(f"kv_min_retention must be in (0, 1], got {self.kv_min_retention!r}")
         if not isinstance(self.kv_window, int) or isinstance(self.kv_window, bool) or self.kv_window < 1:
             raise ValueError(f"kv_window must be a positive int, got {self.kv_window!r}")
-        if not isinstance(self.q4_decode, bool):
-            raise ValueError(f"q4_decode must be a bool, got {self.q4_decode!r}")
+        if not isinstance(self.gguf_decode, bool):
+            raise ValueError(f"gguf_decode must be a bool, got {self.gguf_decode!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:

@@ -65,7 +65,7 @@ from engine.model.pyramid import (
     reselect,
     select,
 )
-from engine.model.q4_weights import Q4Matrix
+from engine.model.q4_weights import GGUFBlocks
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -115,7 +115,7 @@ class LLMEngine:
             q4_layers = read_q4_layers(gguf_file(config.model))
         self.runner = ModelRunner(model, self.storage, q4_layers=q4_layers,
                                   mirror_bytes=int(config.kv_mirror_memory_gib * GIB),
-                                  q4_decode=self._q4_decode_blocks())
+                                  gguf_decode=self._gguf_decode_blocks())
         model_len = config.max_model_len or mc.max_position_embeddings
         kv_tokens = self.storage.num_blocks * config.block_size
         if model_len > kv_tokens:
@@ -184,19 +184,20 @@ class LLMEngine:
         self._drafted = 0
         self._accepted_drafts = 0
 
-    def _q4_decode_blocks(self) -> list[dict[str, Q4Matrix]] | None:
-        """The GGUF's Q4_1 blocks for the few-row products (``EngineConfig.q4_decode``):
-        None for another setting, another dtype, a checkpoint directory or a GGUF whose
+    def _gguf_decode_blocks(self) -> GGUFBlocks | None:
+        """The GGUF's blocks for the few-row products (``EngineConfig.gguf_decode``): None
+        for another setting, another dtype, a checkpoint directory or a GGUF whose
         projections are not all Q4_1 (the dense products then serve every row)."""
         config = self.config
-        if not config.q4_decode or config.weights != "dense" or self.layout.dtype != torch.bfloat16:
+        if not config.gguf_decode or config.weights != "dense" or self.layout.dtype != torch.bfloat16:
             return None
-        from engine.model.q4_weights import gguf_file, read_q4_layers
+        from engine.model.q4_weights import gguf_file, read_q4_layers, read_q8_output
 
         try:
-            return read_q4_layers(gguf_file(config.model))
+            path = gguf_file(config.model)
+            return GGUFBlocks(read_q4_layers(path), read_q8_output(path))
         except (ValueError, FileNotFoundError) as exc:
-            logger.info("4-bit decode products off: %s", exc)
+            logger.info("GGUF decode products off: %s", exc)
             return None
 
     @classmethod

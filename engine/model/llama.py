@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
+from engine.model.gguf_decode import GGUFDecodeLinear
 from engine.model.linear import Int4Linear, PackedLinear
-from engine.model.q4_decode import Q4DecodeLinear
-from engine.model.q4_weights import Q4Matrix
+from engine.model.q4_weights import GGUFBlocks, Q4Matrix
 
 
 def language_parts(model: Any) -> tuple[Any, Any, Any]:
@@ -62,7 +62,7 @@ def supports(model: Any) -> bool:
     )
 
 
-Projection = PackedLinear | Int4Linear | Q4DecodeLinear
+Projection = PackedLinear | Int4Linear | GGUFDecodeLinear
 
 
 def _fused_blocks(q4: Mapping[str, Q4Matrix]) -> dict[str, Q4Matrix]:
@@ -112,12 +112,12 @@ class LlamaForward:
     row-independent at any count, measured at 1-32 rows on 1 and 2 threads)."""
 
     def __init__(self, model: Any, q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None,
-                 q4_decode: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+                 gguf_decode: GGUFBlocks | None = None) -> None:
         """``q4_layers``: per layer, its projections (``q k v o gate up down``) as Q4_1
         blocks, multiplied with :class:`~engine.model.linear.Int4Linear` instead of the
-        model's dense weights (ValueError if they do not fit the model). ``q4_decode``:
-        the same blocks, read by the few-row products of the dense weights where they
-        give the dense bits (:class:`~engine.model.q4_decode.Q4DecodeLinear`)."""
+        model's dense weights (ValueError if they do not fit the model). ``gguf_decode``:
+        the GGUF's blocks (projections and LM head), read by the few-row products of the
+        dense weights where they give the dense bits (:class:`~engine.model.gguf_decode.GGUFDecodeLinear`)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         base, lm_head, config = language_parts(model)
@@ -129,13 +129,15 @@ class LlamaForward:
         self.embed = base.embed_tokens.weight
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight
-        self.lm_head = PackedLinear(lm_head.weight)
+        self.lm_head: PackedLinear | GGUFDecodeLinear = PackedLinear(lm_head.weight)
+        if gguf_decode is not None and gguf_decode.output is not None:
+            self.lm_head = GGUFDecodeLinear.wrap(self.lm_head, gguf_decode.output)
         layers = base.layers[: config.num_hidden_layers]
-        for blocks in (q4_layers, q4_decode):
+        for blocks in (q4_layers, None if gguf_decode is None else gguf_decode.layers):
             if blocks is not None and len(blocks) != len(layers):
                 raise ValueError(f"{len(blocks)} layers of 4-bit weights for a model of {len(layers)}")
         self.layers = [self._fuse(layer, None if q4_layers is None else q4_layers[i],
-                                  None if q4_decode is None else q4_decode[i]) for i, layer in enumerate(layers)]
+                                  None if gguf_decode is None else gguf_decode.layers[i]) for i, layer in enumerate(layers)]
         products = [self.lm_head, *(p for x in self.layers for p in (x.qkv, x.o, x.gate_up, x.down))]
         self.row_multiple = 1 if all(p.any_rows for p in products) else ROW_MULTIPLE
 
@@ -148,7 +150,7 @@ class LlamaForward:
         projections: dict[str, Projection]
         if q4 is None:
             fused = None if decode is None else _fused_blocks(decode)
-            projections = {name: PackedLinear(weight) if fused is None else Q4DecodeLinear.wrap(PackedLinear(weight), fused[name])
+            projections = {name: PackedLinear(weight) if fused is None else GGUFDecodeLinear.wrap(PackedLinear(weight), fused[name])
                            for name, weight in dense.items()}
         else:
             blocks = _fused_blocks(q4)

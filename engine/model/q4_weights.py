@@ -1,4 +1,4 @@
-"""Q4Weights: a Llama GGUF's Q4_1 projections, read as shipped, for a 4-bit product.
+"""Q4Weights: a Llama GGUF's Q4_1 projections (and Q8_0 LM head), read as shipped.
 
 The bundled GGUF stores every projection (q, k, v, o, gate, up, down; 210 matrices)
 as Q4_1: blocks of 32 weights along the input dimension, each ``d * q + m`` with
@@ -11,7 +11,9 @@ and k for its RoPE layout, and they are permuted back here exactly as transforme
 does when it dequantizes the file. So ``d * q + m`` (float32) is the engine's
 converted float32 checkpoint, bit for bit (tested).
 
-:class:`~engine.model.linear.Int4Linear` multiplies with these blocks directly.
+:class:`~engine.model.linear.Int4Linear` multiplies with these blocks directly;
+:class:`~engine.model.gguf_decode.GGUFDecodeLinear` reads them, and the LM head's Q8_0
+blocks (``d * q``, ``q`` int8, ``d`` float16), with the dense product's bits.
 """
 
 from __future__ import annotations
@@ -46,6 +48,28 @@ class Q4Matrix:
     def cat(parts: list[Q4Matrix]) -> Q4Matrix:
         """Rows of ``parts`` stacked (a fused projection)."""
         return Q4Matrix(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "m")))
+
+
+@dataclass(frozen=True)
+class Q8Matrix:
+    """One Q8_0 matrix: ``weight[r, c] = d[r, c // 32] * codes[r, c]``."""
+
+    codes: torch.Tensor  # [out, in] int8
+    d: torch.Tensor  # [out, in // 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights (transformers' dequantization: ``d * q``)."""
+        out, cols = self.codes.shape
+        return (self.d[..., None] * self.codes.view(out, cols // BLOCK, BLOCK).to(torch.float32)).view(out, cols)
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """What :class:`~engine.model.gguf_decode.GGUFDecodeLinear` reads: per layer the seven
+    projections (:func:`read_q4_layers`), and the LM head where it is Q8_0."""
+
+    layers: list[dict[str, Q4Matrix]]
+    output: Q8Matrix | None
 
 
 def gguf_file(model: str | None) -> Path:
@@ -87,6 +111,24 @@ def read_q4_layers(path: Path) -> list[dict[str, Q4Matrix]]:
     if not layers:
         raise ValueError(f"{path} has no Llama layers (blk.0.attn_q.weight)")
     return layers
+
+
+@functools.lru_cache(maxsize=2)
+def read_q8_output(path: Path) -> Q8Matrix | None:
+    """The LM head's blocks (``output.weight``, else the tied ``token_embd.weight``) when
+    they are Q8_0, else None."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    cols = int(tensor.shape[0])
+    raw = np.ascontiguousarray(np.asarray(tensor.data)).reshape(-1, cols // BLOCK, 34)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = raw[..., 2:].copy().view(np.int8).reshape(raw.shape[0], cols)
+    return Q8Matrix(torch.from_numpy(codes), torch.from_numpy(d))
 
 
 def _blocks(raw: np.ndarray, cols: int) -> Q4Matrix:

@@ -47,7 +47,7 @@ from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
 from engine.model.packed_mirror import PackedMirrors
 from engine.model.pyramid import AttentionCapture, PyramidSchedule
-from engine.model.q4_weights import Q4Matrix
+from engine.model.q4_weights import GGUFBlocks, Q4Matrix
 
 
 def padded_table(block_ids: Sequence[int], end: int, storage: KVStorage) -> list[int]:
@@ -126,11 +126,11 @@ class ModelRunner:
 
     def __init__(self, model: Any, storage: KVStorage, *, lean: bool | None = None,
                  q4_layers: Sequence[Mapping[str, Q4Matrix]] | None = None, mirror_bytes: int = 0,
-                 q4_decode: Sequence[Mapping[str, Q4Matrix]] | None = None) -> None:
+                 gguf_decode: GGUFBlocks | None = None) -> None:
         """``q4_layers``: the model's projections as Q4_1 blocks (the Llama forward then
-        multiplies with them; ValueError for another forward). ``q4_decode``: the same
-        blocks, for the Llama forward's few-row products with the dense bits (ignored by
-        the generic forward). ``mirror_bytes``: the budget of :attr:`mirrors`."""
+        multiplies with them; ValueError for another forward). ``gguf_decode``: the
+        GGUF's blocks, read by the Llama forward's few-row products with the dense bits
+        (ignored by the generic forward). ``mirror_bytes``: the budget of :attr:`mirrors`."""
         attention.check_supported(model.config.get_text_config())
         self.model = model
         self.storage = storage
@@ -149,7 +149,7 @@ class ModelRunner:
         if q4_layers is not None and not self.lean:
             raise ValueError("4-bit weights need the Llama forward")
         if self.lean:
-            self._llama = llama.LlamaForward(model, q4_layers, q4_decode)
+            self._llama = llama.LlamaForward(model, q4_layers, gguf_decode)
         else:
             attention.install(model)
             self._linears = linear.TiledLinears(model)

@@ -1,4 +1,4 @@
-"""Q4DecodeLinear: few-row products from the GGUF's 4-bit blocks with the dense bits.
+"""GGUFDecodeLinear: few-row products from the GGUF's 4-bit blocks with the dense bits.
 
 Random Q4_1 matrices of the bundled model's shapes: every row count 1-8 (the kernel)
 gets the bits of oneDNN's packed product over a 32-row tile (the prefill's call); a
@@ -18,10 +18,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
-from engine.model import q4_decode
+from engine.model import gguf_decode
+from engine.model.gguf_decode import MAX_ROWS, GGUFDecodeLinear, native_library, pack
 from engine.model.linear import ROW_TILE, PackedLinear
-from engine.model.q4_decode import MAX_ROWS, Q4DecodeLinear, native_library, pack
-from engine.model.q4_weights import Q4Matrix
+from engine.model.q4_weights import Q4Matrix, Q8Matrix
 
 needs_kernel = pytest.mark.skipif(native_library() is None,
                                   reason="the 4-bit decode kernel needs AVX-512 with bf16 and a C compiler")
@@ -37,19 +37,31 @@ def random_q4(out: int, cols: int, seed: int) -> Q4Matrix:
     return Q4Matrix(codes, d, m)
 
 
-def dense_of(matrix: Q4Matrix) -> PackedLinear:
+def random_q8(out: int, cols: int, seed: int) -> Q8Matrix:
+    """Like the bundled model's token embedding: int8 codes, d ~ 0.0005-0.005."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out, cols), generator=generator, dtype=torch.int8)
+    d = (0.0005 + torch.rand((out, cols // 32), generator=generator) * 0.0045).half().float()
+    return Q8Matrix(codes, d)
+
+
+def dense_of(matrix: Q4Matrix | Q8Matrix) -> PackedLinear:
     return PackedLinear(matrix.dequantize().to(torch.bfloat16))
 
 
+CASES = [("q4_1", *shape) for shape in SHAPES] + [("q8_0", 4096, 576)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_every_row_count_gets_the_dense_tiles_bits(shape):
-    matrix = random_q4(*shape, seed=sum(shape))
+@pytest.mark.parametrize(("kind", "out", "cols"), CASES, ids=lambda v: str(v))
+def test_every_row_count_gets_the_dense_tiles_bits(kind, out, cols):
+    shape = (out, cols)
+    matrix = (random_q4 if kind == "q4_1" else random_q8)(*shape, seed=sum(shape))
     dense = dense_of(matrix)
-    product = Q4DecodeLinear.wrap(dense, matrix)
-    assert isinstance(product, Q4DecodeLinear)
+    product = GGUFDecodeLinear.wrap(dense, matrix)
+    assert isinstance(product, GGUFDecodeLinear)
     assert product.any_rows
-    assert product.chunk in (*q4_decode.CHUNKS, shape[1])
+    assert product.chunk in (*gguf_decode.CHUNKS, shape[1])
     x = (3 * torch.randn((4 * ROW_TILE, shape[1]), generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     with torch.inference_mode():
         tiles = torch.cat([dense(x[k : k + ROW_TILE]) for k in range(0, len(x), ROW_TILE)])
@@ -62,11 +74,13 @@ def test_every_row_count_gets_the_dense_tiles_bits(shape):
 
 
 @needs_kernel
-def test_the_kernel_dequantizes_like_the_checkpoint():
-    matrix = random_q4(576, 1536, seed=3)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_kernel_dequantizes_like_the_checkpoint(kind):
+    matrix = random_q4(576, 1536, seed=3) if kind == "q4_1" else random_q8(576, 1536, seed=3)
     packed = pack(matrix)
     out = torch.empty((576, 1536), dtype=torch.bfloat16)
-    native_library().q4_decode_weights(packed.data_ptr(), 576, 1536, out.data_ptr())
+    native_library().gguf_decode_weights(gguf_decode.FORMATS[type(matrix)], packed.data_ptr(), 576, 1536,
+                                         out.data_ptr())
     assert torch.equal(out, matrix.dequantize().to(torch.bfloat16))
 
 
@@ -76,8 +90,8 @@ def test_blocks_that_are_not_the_dense_weights_keep_the_dense_product(caplog):
     weight = matrix.dequantize().to(torch.bfloat16)
     weight[100, 200] = weight[100, 200] + 1  # one weight off: the blocks are another matrix
     dense = PackedLinear(weight)
-    with caplog.at_level(logging.WARNING, logger="engine.model.q4_decode"):
-        assert Q4DecodeLinear.wrap(dense, matrix) is dense
+    with caplog.at_level(logging.WARNING, logger="engine.model.gguf_decode"):
+        assert GGUFDecodeLinear.wrap(dense, matrix) is dense
     assert "not the dense weights" in caplog.text
 
 
@@ -85,11 +99,11 @@ def test_blocks_that_are_not_the_dense_weights_keep_the_dense_product(caplog):
 def test_no_chunk_matching_keeps_the_dense_product(monkeypatch, caplog):
     """Fault injection: a kernel whose sums would differ from oneDNN's (only a chunk of
     32 tried, never the one oneDNN uses) is refused, not used."""
-    monkeypatch.setattr(q4_decode, "CHUNKS", (32,))
+    monkeypatch.setattr(gguf_decode, "CHUNKS", (32,))
     matrix = random_q4(576, 1536, seed=5)
     dense = dense_of(matrix)
-    wrapped = Q4DecodeLinear.wrap(dense, matrix)
-    if isinstance(wrapped, Q4DecodeLinear):  # the whole input as one chunk was oneDNN's: still exact
+    wrapped = GGUFDecodeLinear.wrap(dense, matrix)
+    if isinstance(wrapped, GGUFDecodeLinear):  # the whole input as one chunk was oneDNN's: still exact
         assert wrapped.chunk == 1536
     else:
         assert wrapped is dense
@@ -104,29 +118,29 @@ def test_pack_refuses_shapes_the_kernel_cannot_tile():
 def test_without_a_compiler_the_products_stay_dense(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(q4_decode, "_cpu_supported", lambda: True)
-    build = q4_decode.native_library.__wrapped__
-    with caplog.at_level(logging.WARNING, logger="engine.model.q4_decode"):
+    monkeypatch.setattr(gguf_decode, "_cpu_supported", lambda: True)
+    build = gguf_decode.native_library.__wrapped__
+    with caplog.at_level(logging.WARNING, logger="engine.model.gguf_decode"):
         assert build() is None
-    assert "building q4_decode.c failed" in caplog.text
+    assert "building gguf_decode.c failed" in caplog.text
     assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
 
 
 def test_a_cpu_without_avx512_bf16_is_not_built_for(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
-    monkeypatch.setattr(q4_decode, "_cpu_supported", lambda: False)
-    assert q4_decode.native_library.__wrapped__() is None
+    monkeypatch.setattr(gguf_decode, "_cpu_supported", lambda: False)
+    assert gguf_decode.native_library.__wrapped__() is None
     assert not (tmp_path / "native").exists()
 
 
 def test_config_and_cli():
     from gateway.cli import build_parser
 
-    with pytest.raises(ValueError, match="q4_decode must be a bool"):
-        EngineConfig(q4_decode="yes")
+    with pytest.raises(ValueError, match="gguf_decode must be a bool"):
+        EngineConfig(gguf_decode="yes")
     parser = build_parser()
-    assert parser.parse_args(["engine"]).no_q4_decode is False
-    assert parser.parse_args(["engine", "--no-q4-decode"]).no_q4_decode is True
+    assert parser.parse_args(["engine"]).no_gguf_decode is False
+    assert parser.parse_args(["engine", "--no-gguf-decode"]).no_gguf_decode is True
 
 
 # --- the bundled model ---
@@ -152,8 +166,9 @@ def test_real_model_outputs_equal_the_dense_products(real_engine):
     same weights without it gives the same tokens and log-probabilities, each prompt
     alone and all batched, with and without drafts."""
     llama = real_engine.runner._llama
-    assert all(isinstance(p, Q4DecodeLinear) for layer in llama.layers
+    assert all(isinstance(p, GGUFDecodeLinear) for layer in llama.layers
                for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(llama.lm_head, GGUFDecodeLinear) and llama.lm_head.format == gguf_decode.FORMATS[Q8Matrix]
     assert llama.row_multiple == 1
     tok = real_engine.tokenizer
     chats = ["Which tyres do you recommend for winter?", "Explain what a prime number is.",
@@ -161,8 +176,8 @@ def test_real_model_outputs_equal_the_dense_products(real_engine):
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for c in chats]
     plain = LLMEngine(real_engine.model, real_engine.tokenizer,
-                      EngineConfig(kv_cache_memory_gib=0.1, served_model_name="dense", q4_decode=False, seed=0))
-    assert not any(isinstance(p, Q4DecodeLinear) for p in (plain.runner._llama.layers[0].qkv,))
+                      EngineConfig(kv_cache_memory_gib=0.1, served_model_name="dense", gguf_decode=False, seed=0))
+    assert not isinstance(plain.runner._llama.layers[0].qkv, GGUFDecodeLinear)
     plain.start()
     try:
         params = dict(max_tokens=24, temperature=0.0, logprobs=3)

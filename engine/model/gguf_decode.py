@@ -1,0 +1,218 @@
+"""GGUFDecodeLinear: a dense product whose few-row calls read the GGUF's quantized
+blocks, with the dense product's bits.
+
+A decode step multiplies a handful of rows by every weight of the model, so it costs
+what reading the weights costs: 269 MB of bfloat16 for the bundled model (212 MB of
+projections, 57 MB of LM head), ~9 ms on 2 cores of the AMD EPYC these figures come
+from. The bundled GGUF holds the same weights as blocks of 32: the projections Q4_1
+(0.625 bytes a weight with their scales), the LM head Q8_0 (1.06 bytes): 96 MB.
+:class:`~engine.model.linear.Int4Linear` (``--weights q4_1``) multiplies with the
+4-bit blocks but gives other numbers than the dense model. This class gives the
+*same* numbers:
+
+* the dense checkpoint is the blocks' float32 dequantization (Q4_1 ``d * q + m``,
+  Q8_0 ``d * q``) rounded to bfloat16, and the kernel (``gguf_decode.c``) dequantizes
+  each weight exactly so (checked against the dense weights, every element, at
+  construction);
+* oneDNN's packed bfloat16 product (:class:`~engine.model.linear.PackedLinear`) sums
+  bfloat16 pairs with VDPBF16PS into one float32 accumulator per output, in input
+  order, restarting every ``chunk`` inputs (on the CPUs measured 512, and 1024 for
+  1,536 inputs at 2-32 rows) and rounding the total once; the kernel does the same,
+  ``chunk`` being the first candidate whose results equal the packed product's on a
+  probe of 128 rows (four 32-row tiles: the prefill's calls). No candidate matching:
+  the product stays dense, and nothing changes.
+
+So a decode row, a draft row and a prefill row of the same token get the same bits,
+and ``batched == one at a time`` and ``cached == uncached`` hold as before. Calls of
+up to :data:`MAX_ROWS` rows go through the kernel (the bundled model's 120
+projections: 3.2 ms at 1 row, 3.6 at 5, 4.6 at 8, against 7.3-8.0 ms packed); more
+rows go to the packed product, faster there (the kernel dequantizes per 8 rows).
+
+A side effect: oneDNN sums a *lone* row of 1,536 inputs in chunks of 512, not 1024,
+so its bits for one row differ from the same row's in a tile (1 output in ~6,000):
+that is why the dense forward pads a lone row to 4 (``any_rows`` False). The kernel
+sums every row count like the tiles, so a lone decode row goes unpadded.
+
+The kernel needs AVX-512 with bfloat16 (``avx512_bf16``) and a C compiler (``$CC``,
+``cc`` or ``gcc``) with OpenMP. It is built on first use into
+``prefixgate_home()/native`` (keyed by the source, compiler and flags; ~1 s) and
+loaded after torch, whose OpenMP runtime it shares. Where any of this is missing the
+dense products stay (one log line).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.linear import ROW_TILE, PackedLinear, row_invariant
+from engine.model.q4_weights import BLOCK, Q4Matrix, Q8Matrix
+from engine.model_store import prefixgate_home
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 8
+"""Calls of at most this many rows use the kernel; more go to the packed product."""
+CHUNKS = (512, 1024)
+"""The accumulation chunks tried, in order, before the whole input (see the module doc)."""
+FORMATS = {Q4Matrix: 0, Q8Matrix: 1}
+"""The kernel's format codes (``gguf_decode.c``)."""
+_PROBE_TILES = 4
+_SOURCE = Path(__file__).with_suffix(".c")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
+          "-mavx512vl", "-mavx512bf16", "-mf16c")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
+
+
+def _cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in _CPU_FLAGS)
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The kernel's shared library, built once per source, compiler and flags; None where
+    this CPU or machine cannot run it (logged once)."""
+    if not _cpu_supported():
+        logger.info("GGUF decode products off: the CPU lacks one of %s", ", ".join(_CPU_FLAGS))
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("GGUF decode products off: no C compiler ($CC, cc or gcc)")
+        return None
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    target = prefixgate_home() / "native" / f"gguf_decode-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
+                           timeout=120)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)  # atomic: concurrent builders each publish a whole library
+        except (OSError, subprocess.SubprocessError) as exc:
+            stderr = (getattr(exc, "stderr", None) or b"").decode(errors="replace")[-500:]
+            logger.warning("GGUF decode products off: building %s failed: %s %s", _SOURCE.name, exc, stderr)
+            return None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(target))
+    lib.gguf_decode_product.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.gguf_decode_product.restype = None
+    lib.gguf_decode_weights.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_void_p]
+    lib.gguf_decode_weights.restype = None
+    return lib
+
+
+def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
+    """``matrix`` in the kernel's layout (see ``gguf_decode.c``): uint8 ``[out / 16, in /
+    32, bytes]``. ValueError unless ``out`` is a multiple of 16 and ``in`` of 32."""
+    out, cols = matrix.codes.shape
+    if out % 16 or cols % BLOCK:
+        raise ValueError(f"a {out} x {cols} matrix: the kernel needs out % 16 == 0 and in % {BLOCK} == 0")
+    blocks, groups = out // 16, cols // BLOCK
+    pairs = matrix.codes.numpy().view(np.uint8).reshape(blocks, 16, cols // 2, 2)
+    first = pairs[:, :8].transpose(0, 2, 1, 3).reshape(blocks, cols // 2, 16)
+    last = pairs[:, 8:].transpose(0, 2, 1, 3).reshape(blocks, cols // 2, 16)
+    if isinstance(matrix, Q4Matrix):
+        codes = (first | (last << 4)).reshape(blocks, groups, 256)
+    else:
+        codes = np.concatenate([first, last], axis=-1).reshape(blocks, groups, 512)
+
+    def halves(t: torch.Tensor) -> np.ndarray:
+        h = t.numpy().astype(np.float16).reshape(blocks, 16, groups).transpose(0, 2, 1)
+        return np.ascontiguousarray(h).view(np.uint8).reshape(blocks, groups, 32)
+
+    scales = [halves(matrix.d)] + ([halves(matrix.m)] if isinstance(matrix, Q4Matrix) else [])
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)))
+
+
+class GGUFDecodeLinear:
+    """A :class:`PackedLinear` whose calls of at most :data:`MAX_ROWS` rows run the kernel
+    over the GGUF's blocks, with the packed product's bits. Build with :meth:`wrap`.
+    Never changes the weights; ``any_rows``: every row count gets the tiles' bits."""
+
+    def __init__(self, dense: PackedLinear, packed: torch.Tensor, format_: int, chunk: int,
+                 lib: ctypes.CDLL) -> None:
+        self.dense = dense
+        self.packed = packed
+        self.format = format_
+        self.chunk = chunk
+        self.out, self.cols = dense.weight.shape
+        self._lib = lib
+        self.any_rows = row_invariant(self._product, self.cols, dense.weight.dtype,
+                                      (1, 2, 3, 5, 7, 8, 9, 13, 17, 31))
+
+    @staticmethod
+    def wrap(dense: PackedLinear, matrix: Q4Matrix | Q8Matrix) -> PackedLinear | GGUFDecodeLinear:
+        """``dense`` with the kernel for few rows, or ``dense`` itself where the kernel is
+        unavailable or does not give its bits (weights or sums; logged)."""
+        lib = native_library()
+        weight = dense.weight
+        if (lib is None or dense.bias is not None or weight.dtype != torch.bfloat16 or not dense.is_packed
+                or tuple(matrix.codes.shape) != tuple(weight.shape)):
+            return dense
+        format_ = FORMATS[type(matrix)]
+        packed = pack(matrix)
+        out, cols = weight.shape
+        dequantized = torch.empty((out, cols), dtype=torch.bfloat16)
+        lib.gguf_decode_weights(format_, packed.data_ptr(), out, cols, dequantized.data_ptr())
+        if not torch.equal(dequantized, weight):
+            logger.warning("GGUF decode products off for a %d x %d matrix: its blocks are not the dense weights",
+                           out, cols)
+            return dense
+        generator = torch.Generator().manual_seed(out * 7919 + cols)
+        probe = (3 * torch.randn((_PROBE_TILES * ROW_TILE, cols), generator=generator)).to(weight.dtype)
+        with torch.inference_mode():
+            expected = torch.cat([dense(probe[k : k + ROW_TILE]) for k in range(0, len(probe), ROW_TILE)])
+            for chunk in (*(c for c in CHUNKS if c < cols), cols):
+                if chunk % BLOCK or not torch.equal(_kernel(lib, format_, packed, out, cols, chunk, probe), expected):
+                    continue
+                product = GGUFDecodeLinear(dense, packed, format_, chunk, lib)
+                if product.any_rows:
+                    return product
+        logger.warning("GGUF decode products off for a %d x %d matrix: no chunk gives oneDNN's bits", out, cols)
+        return dense
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS:
+            return self.dense._product(x)
+        return _kernel(self._lib, self.format, self.packed, self.out, self.cols, self.chunk, x)
+
+    def __call__(self, x: torch.Tensor, exact_rows: int | None = None) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return self._product(x)
+        return self.dense(x, exact_rows)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+
+def _kernel(lib: ctypes.CDLL, format_: int, packed: torch.Tensor, out: int, cols: int, chunk: int,
+            x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for any number of rows (in passes of 8), on torch's thread count."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    y = torch.empty((rows, out), dtype=torch.bfloat16)
+    if rows:
+        lib.gguf_decode_product(format_, packed.data_ptr(), out, cols, chunk, x.data_ptr(), rows, y.data_ptr(),
+                                torch.get_num_threads())
+    return y
