@@ -191,11 +191,10 @@ class LLMEngine:
         config = self.config
         if not config.gguf_decode or config.weights != "dense" or self.layout.dtype != torch.bfloat16:
             return None
-        from engine.model.q4_weights import gguf_file, read_q4_layers, read_q8_output
+        from engine.model.q4_weights import gguf_file, read_gguf_blocks
 
         try:
-            path = gguf_file(config.model)
-            return GGUFBlocks(read_q4_layers(path), read_q8_output(path))
+            return read_gguf_blocks(gguf_file(config.model))
         except (ValueError, FileNotFoundError) as exc:
             logger.info("GGUF decode products off: %s", exc)
             return None

@@ -120,7 +120,27 @@ void gguf_decode_product(int format, const uint8_t* packed, int N, int K, int ch
   }
 }
 
-/* W's bfloat16 dequantization, [N, K] (checked against the dense weights at load). */
+/* How many weights of W's bfloat16 dequantization differ from `dense` ([N, K], row-major,
+ * bfloat16): the check at load that the blocks are the dense weights. */
+long gguf_decode_mismatches(int format, const uint8_t* packed, int N, int K, const uint16_t* dense) {
+  const size_t block_bytes = (size_t)(K / GROUP) * group_bytes(format);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(K * 2));
+  long differ = 0;
+  for (int j = 0; j < N / 16; j++) {
+    for (int k0 = 0; k0 < K; k0 += GROUP) {
+      const uint8_t* g = packed + (size_t)j * block_bytes + (size_t)(k0 / GROUP) * group_bytes(format);
+      FOR_PAIRS(format, g, w, {
+        const uint16_t* base = dense + (size_t)(16 * j) * K + k0 + 2 * p;
+        __m512i expected = _mm512_i32gather_epi32(rows, (const void*)base, 1);
+        differ += 2 * __builtin_popcount(_mm512_cmpneq_epi32_mask(w, expected));
+      });
+    }
+  }
+  return differ;
+}
+
+/* W's bfloat16 dequantization, [N, K] (for tests). */
 void gguf_decode_weights(int format, const uint8_t* packed, int N, int K, uint16_t* out) {
   const size_t block_bytes = (size_t)(K / GROUP) * group_bytes(format);
   for (int j = 0; j < N / 16; j++) {

@@ -55,7 +55,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.linear import ROW_TILE, PackedLinear, row_invariant
+from engine.model.attention import ROW_MULTIPLE
+from engine.model.linear import ROW_TILE, PackedLinear, in_tiles
 from engine.model.q4_weights import BLOCK, Q4Matrix, Q8Matrix
 from engine.model_store import prefixgate_home
 
@@ -96,29 +97,38 @@ def native_library() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
     target = prefixgate_home() / "native" / f"gguf_decode-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
-                           timeout=120)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, target)  # atomic: concurrent builders each publish a whole library
-        except (OSError, subprocess.SubprocessError) as exc:
-            stderr = (getattr(exc, "stderr", None) or b"").decode(errors="replace")[-500:]
-            logger.warning("GGUF decode products off: building %s failed: %s %s", _SOURCE.name, exc, stderr)
-            return None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.is_file():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        stderr = (getattr(exc, "stderr", None) or b"").decode(errors="replace")[-500:]
+        logger.warning("GGUF decode products off: building or loading %s failed: %s %s", target, exc, stderr)
+        return None
     lib.gguf_decode_product.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.gguf_decode_product.restype = None
     lib.gguf_decode_weights.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_void_p]
     lib.gguf_decode_weights.restype = None
+    lib.gguf_decode_mismatches.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_void_p]
+    lib.gguf_decode_mismatches.restype = ctypes.c_long
     return lib
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile the kernel into ``target``: into a temporary file first, then renamed, so
+    concurrent builders each publish a whole library and a failed one leaves nothing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, timeout=120)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
@@ -144,10 +154,30 @@ def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)))
 
 
+_PACKS: dict[int, tuple[Q4Matrix | Q8Matrix, torch.Tensor]] = {}
+
+
+def _packed(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
+    """:func:`pack` of ``matrix``, once per matrix object (the GGUF's blocks are read once
+    per process, :func:`~engine.model.q4_weights.read_gguf_blocks`): engines built on
+    the same file share the packed copy."""
+    hit = _PACKS.get(id(matrix))
+    if hit is None or hit[0] is not matrix:
+        hit = _PACKS[id(matrix)] = (matrix, pack(matrix))
+    return hit[1]
+
+
 class GGUFDecodeLinear:
     """A :class:`PackedLinear` whose calls of at most :data:`MAX_ROWS` rows run the kernel
     over the GGUF's blocks, with the packed product's bits. Build with :meth:`wrap`.
-    Never changes the weights; ``any_rows``: every row count gets the tiles' bits."""
+    Never changes the weights.
+
+    ``any_rows`` is True: the kernel gives every count of 1-8 rows the tiles' bits
+    (checked in :meth:`wrap`), and a call of more rows goes to the packed product in
+    tiles, a tile whose row count is not a multiple of 4 padded to one where the packed
+    product is not row-invariant at any count (``PackedLinear.any_rows``)."""
+
+    any_rows = True
 
     def __init__(self, dense: PackedLinear, packed: torch.Tensor, format_: int, chunk: int,
                  lib: ctypes.CDLL) -> None:
@@ -157,8 +187,6 @@ class GGUFDecodeLinear:
         self.chunk = chunk
         self.out, self.cols = dense.weight.shape
         self._lib = lib
-        self.any_rows = row_invariant(self._product, self.cols, dense.weight.dtype,
-                                      (1, 2, 3, 5, 7, 8, 9, 13, 17, 31))
 
     @staticmethod
     def wrap(dense: PackedLinear, matrix: Q4Matrix | Q8Matrix) -> PackedLinear | GGUFDecodeLinear:
@@ -170,11 +198,9 @@ class GGUFDecodeLinear:
                 or tuple(matrix.codes.shape) != tuple(weight.shape)):
             return dense
         format_ = FORMATS[type(matrix)]
-        packed = pack(matrix)
+        packed = _packed(matrix)
         out, cols = weight.shape
-        dequantized = torch.empty((out, cols), dtype=torch.bfloat16)
-        lib.gguf_decode_weights(format_, packed.data_ptr(), out, cols, dequantized.data_ptr())
-        if not torch.equal(dequantized, weight):
+        if lib.gguf_decode_mismatches(format_, packed.data_ptr(), out, cols, weight.contiguous().data_ptr()):
             logger.warning("GGUF decode products off for a %d x %d matrix: its blocks are not the dense weights",
                            out, cols)
             return dense
@@ -185,21 +211,25 @@ class GGUFDecodeLinear:
             for chunk in (*(c for c in CHUNKS if c < cols), cols):
                 if chunk % BLOCK or not torch.equal(_kernel(lib, format_, packed, out, cols, chunk, probe), expected):
                     continue
-                product = GGUFDecodeLinear(dense, packed, format_, chunk, lib)
-                if product.any_rows:
-                    return product
+                # the passes of 8 rows matched; every shorter pass is its own compiled loop
+                if all(torch.equal(_kernel(lib, format_, packed, out, cols, chunk, probe[5 : 5 + rows]),
+                                   expected[5 : 5 + rows]) for rows in range(1, MAX_ROWS)):
+                    return GGUFDecodeLinear(dense, packed, format_, chunk, lib)
         logger.warning("GGUF decode products off for a %d x %d matrix: no chunk gives oneDNN's bits", out, cols)
         return dense
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS:
+        rows = x.shape[0]
+        if rows <= MAX_ROWS:
+            return _kernel(self._lib, self.format, self.packed, self.out, self.cols, self.chunk, x)
+        if self.dense.any_rows or rows % ROW_MULTIPLE == 0:
             return self.dense._product(x)
-        return _kernel(self._lib, self.format, self.packed, self.out, self.cols, self.chunk, x)
+        extra = ROW_MULTIPLE - rows % ROW_MULTIPLE
+        return self.dense._product(torch.cat([x, x.new_zeros((extra, x.shape[1]))]))[:rows]
 
     def __call__(self, x: torch.Tensor, exact_rows: int | None = None) -> torch.Tensor:
-        if x.shape[0] <= MAX_ROWS:
-            return self._product(x)
-        return self.dense(x, exact_rows)
+        """As :meth:`PackedLinear.__call__`: tiles of at most 32 rows (``exact_rows`` alike)."""
+        return in_tiles(self._product, x, exact_rows)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
 from engine.model.gguf_decode import GGUFDecodeLinear
 from engine.model.linear import Int4Linear, PackedLinear
-from engine.model.q4_weights import GGUFBlocks, Q4Matrix
+from engine.model.q4_weights import GGUFBlocks, Q4Matrix, fuse_layer
 
 
 def language_parts(model: Any) -> tuple[Any, Any, Any]:
@@ -63,13 +63,6 @@ def supports(model: Any) -> bool:
 
 
 Projection = PackedLinear | Int4Linear | GGUFDecodeLinear
-
-
-def _fused_blocks(q4: Mapping[str, Q4Matrix]) -> dict[str, Q4Matrix]:
-    """A layer's Q4_1 blocks fused as the forward multiplies them: ``qkv``, ``o``,
-    ``gate_up``, ``down``."""
-    return {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
-            "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
 
 
 @dataclass
@@ -149,11 +142,11 @@ class LlamaForward:
         dense = {"qkv": qkv, "o": attn.o_proj.weight, "gate_up": gate_up, "down": mlp.down_proj.weight}
         projections: dict[str, Projection]
         if q4 is None:
-            fused = None if decode is None else _fused_blocks(decode)
-            projections = {name: PackedLinear(weight) if fused is None else GGUFDecodeLinear.wrap(PackedLinear(weight), fused[name])
-                           for name, weight in dense.items()}
+            packed = {name: PackedLinear(weight) for name, weight in dense.items()}
+            projections = dict(packed) if decode is None else {  # decode: already fused (GGUFBlocks)
+                name: GGUFDecodeLinear.wrap(p, decode[name]) for name, p in packed.items()}
         else:
-            blocks = _fused_blocks(q4)
+            blocks = fuse_layer(q4)
             for name, matrix in blocks.items():
                 if tuple(matrix.codes.shape) != tuple(dense[name].shape):
                     raise ValueError(f"4-bit {name} is {tuple(matrix.codes.shape)}, the model's {tuple(dense[name].shape)}")

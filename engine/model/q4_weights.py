@@ -19,6 +19,7 @@ blocks (``d * q``, ``q`` int8, ``d`` float16), with the dense product's bits.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +66,26 @@ class Q8Matrix:
 
 @dataclass(frozen=True)
 class GGUFBlocks:
-    """What :class:`~engine.model.gguf_decode.GGUFDecodeLinear` reads: per layer the seven
-    projections (:func:`read_q4_layers`), and the LM head where it is Q8_0."""
+    """What :class:`~engine.model.gguf_decode.GGUFDecodeLinear` reads: per layer the
+    projections fused as the Llama forward multiplies them (:func:`fuse_layer`), and the
+    LM head where it is Q8_0."""
 
     layers: list[dict[str, Q4Matrix]]
     output: Q8Matrix | None
+
+
+def fuse_layer(q4: Mapping[str, Q4Matrix]) -> dict[str, Q4Matrix]:
+    """A layer's seven projections fused as the Llama forward multiplies them: ``qkv``,
+    ``o``, ``gate_up``, ``down``."""
+    return {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
+            "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
+
+
+@functools.lru_cache(maxsize=2)
+def read_gguf_blocks(path: Path) -> GGUFBlocks:
+    """:class:`GGUFBlocks` of a Llama GGUF, read once per process (ValueError as
+    :func:`read_q4_layers`)."""
+    return GGUFBlocks([fuse_layer(layer) for layer in read_q4_layers(path)], read_q8_output(path))
 
 
 def gguf_file(model: str | None) -> Path:
