@@ -33,32 +33,23 @@ so its bits for one row differ from the same row's in a tile (1 output in ~6,000
 that is why the dense forward pads a lone row to 4 (``any_rows`` False). The kernel
 sums every row count like the tiles, so a lone decode row goes unpadded.
 
-The kernel needs AVX-512 with bfloat16 (``avx512_bf16``) and a C compiler (``$CC``,
-``cc`` or ``gcc``) with OpenMP. It is built on first use into
-``prefixgate_home()/native`` (keyed by the source, compiler and flags; ~1 s) and
-loaded after torch, whose OpenMP runtime it shares. Where any of this is missing the
-dense products stay (one log line).
+The kernel is part of the engine's C library (:mod:`engine.model.native`: AVX-512
+with bfloat16 and a C compiler, built on first use); where it is missing the dense
+products stay.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.model.attention import ROW_MULTIPLE
 from engine.model.linear import ROW_TILE, PackedLinear, in_tiles
+from engine.model.native import native_library
 from engine.model.q4_weights import BLOCK, Q4Matrix, Q8Matrix
-from engine.model_store import prefixgate_home
 
 logger = logging.getLogger(__name__)
 
@@ -69,68 +60,6 @@ CHUNKS = (512, 1024)
 FORMATS = {Q4Matrix: 0, Q8Matrix: 1}
 """The kernel's format codes (``gguf_decode.c``)."""
 _PROBE_TILES = 4
-_SOURCE = Path(__file__).with_suffix(".c")
-_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-          "-mavx512vl", "-mavx512bf16", "-mf16c")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
-
-
-def _cpu_supported() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in _CPU_FLAGS)
-
-
-@functools.cache
-def native_library() -> ctypes.CDLL | None:
-    """The kernel's shared library, built once per source, compiler and flags; None where
-    this CPU or machine cannot run it (logged once)."""
-    if not _cpu_supported():
-        logger.info("GGUF decode products off: the CPU lacks one of %s", ", ".join(_CPU_FLAGS))
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("GGUF decode products off: no C compiler ($CC, cc or gcc)")
-        return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
-    target = prefixgate_home() / "native" / f"gguf_decode-{key}.so"
-    try:
-        if not target.is_file():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        stderr = (getattr(exc, "stderr", None) or b"").decode(errors="replace")[-500:]
-        logger.warning("GGUF decode products off: building or loading %s failed: %s %s", target, exc, stderr)
-        return None
-    lib.gguf_decode_product.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.gguf_decode_product.restype = None
-    lib.gguf_decode_weights.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_void_p]
-    lib.gguf_decode_weights.restype = None
-    lib.gguf_decode_mismatches.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_void_p]
-    lib.gguf_decode_mismatches.restype = ctypes.c_long
-    return lib
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile the kernel into ``target``: into a temporary file first, then renamed, so
-    concurrent builders each publish a whole library and a failed one leaves nothing."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, timeout=120)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
     """``matrix`` in the kernel's layout (see ``gguf_decode.c``): uint8 ``[out / 16, in /
     32, bytes]``. ValueError unless ``out`` is a multiple of 16 and ``in`` of 32."""

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.model import native
 from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
 from engine.model.gguf_decode import GGUFDecodeLinear
 from engine.model.linear import Int4Linear, PackedLinear
@@ -80,8 +81,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     then scaled. torch's ``rms_norm`` without a weight is that first part for a
     bfloat16 ``x`` (it upcasts, computes transformers' pow/mean/rsqrt/mul in float32 and
     rounds back: the same bits, per row, in a third of the ops); the weight is applied
-    after the rounding, as transformers does."""
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    after the rounding, as transformers does. A few rows go through the engine's C
+    kernel where it gives the same bits (:func:`engine.model.native.rms_norm`)."""
+    return native.rms_norm(x, weight, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

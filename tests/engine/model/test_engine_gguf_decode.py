@@ -1,10 +1,11 @@
-"""GGUFDecodeLinear: few-row products from the GGUF's 4-bit blocks with the dense bits.
+"""GGUFDecodeLinear: few-row products from the GGUF's blocks with the dense bits.
 
-Random Q4_1 matrices of the bundled model's shapes: every row count 1-8 (the kernel)
-gets the bits of oneDNN's packed product over a 32-row tile (the prefill's call); a
-matrix whose blocks are not its dense weights, a missing compiler and a CPU without
-AVX-512 bf16 keep the dense product. The real model: an engine with the kernel and
-one without give the same tokens and log-probabilities, alone and batched.
+Random Q4_1 and Q8_0 matrices of the bundled model's shapes: every row count 1-8 (the
+kernel) gets the bits of oneDNN's packed product over 32-row tiles (the prefill's
+calls), and so do larger calls; blocks that are not the dense weights and sums that
+are not oneDNN's keep the dense product (the library's build and its failures:
+test_engine_native.py). The bundled model: an engine with the kernel and one without
+give the same tokens and log-probabilities, alone and batched.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
-from engine.model import gguf_decode
-from engine.model.gguf_decode import MAX_ROWS, GGUFDecodeLinear, native_library, pack
+from engine.model import gguf_decode, native
+from engine.model.gguf_decode import MAX_ROWS, GGUFDecodeLinear, pack
 from engine.model.linear import ROW_TILE, PackedLinear
+from engine.model.native import native_library
 from engine.model.q4_weights import Q4Matrix, Q8Matrix
 
 needs_kernel = pytest.mark.skipif(native_library() is None,
@@ -119,34 +121,6 @@ def test_pack_refuses_shapes_the_kernel_cannot_tile():
         pack(random_q4(24, 64, seed=0))
 
 
-def test_without_a_compiler_the_products_stay_dense(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(gguf_decode, "_cpu_supported", lambda: True)
-    build = gguf_decode.native_library.__wrapped__
-    with caplog.at_level(logging.WARNING, logger="engine.model.gguf_decode"):
-        assert build() is None
-    assert "building or loading" in caplog.text
-    assert not list((tmp_path / "native").glob("*"))  # no half-written library left behind
-
-
-def test_an_unwritable_cache_keeps_the_products_dense(monkeypatch, tmp_path, caplog):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    monkeypatch.setenv("PREFIXGATE_HOME", str(blocker))
-    monkeypatch.setattr(gguf_decode, "_cpu_supported", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="engine.model.gguf_decode"):
-        assert gguf_decode.native_library.__wrapped__() is None
-    assert "building or loading" in caplog.text
-
-
-def test_a_cpu_without_avx512_bf16_is_not_built_for(monkeypatch, tmp_path):
-    monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
-    monkeypatch.setattr(gguf_decode, "_cpu_supported", lambda: False)
-    assert gguf_decode.native_library.__wrapped__() is None
-    assert not (tmp_path / "native").exists()
-
-
 def test_config_and_cli():
     from gateway.cli import build_parser
 
@@ -175,10 +149,10 @@ def run(engine, prompts, **params):
 
 @needs_kernel
 @pytest.mark.real_model
-def test_real_model_outputs_equal_the_dense_products(real_engine):
-    """The session's real engine decodes with the kernel (the default); a twin on the
-    same weights without it gives the same tokens and log-probabilities, each prompt
-    alone and all batched, with and without drafts."""
+def test_real_model_outputs_equal_the_dense_products(real_engine, monkeypatch):
+    """The session's real engine decodes with the kernels (the default: these products
+    and the native RMSNorm); a twin on the same weights with torch's ops only gives the
+    same tokens and log-probabilities, each prompt alone and all batched."""
     llama = real_engine.runner._llama
     assert all(isinstance(p, GGUFDecodeLinear) for layer in llama.layers
                for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -195,8 +169,10 @@ def test_real_model_outputs_equal_the_dense_products(real_engine):
     plain.start()
     try:
         params = dict(max_tokens=24, temperature=0.0, logprobs=3)
-        expected = run(plain, prompts, **params)
-        assert [run(plain, [p], **params)[0] for p in prompts] == expected
+        with monkeypatch.context() as torch_only:  # the twin's norms too (the real engine waits meanwhile)
+            torch_only.setattr(native, "rms_norm", native.torch_rms_norm)
+            expected = run(plain, prompts, **params)
+            assert [run(plain, [p], **params)[0] for p in prompts] == expected
         assert run(real_engine, prompts, **params) == expected
         assert [run(real_engine, [p], **params)[0] for p in prompts] == expected
     finally:
