@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from engine.model import native
 from engine.model.kv_mirror import MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
@@ -77,6 +78,14 @@ PV_TILE = 16
 
 KEYS_FIRST_ROWS = 64
 """Query rows (per KV head) up to which scores are computed as ``K @ q^T`` (see the module docstring)."""
+NATIVE_KEYS = 1024
+"""Decode groups of at most this many keys (and no mirror) attend through the engine's
+C library (:func:`engine.model.native.decode_scores` and ``decode_values``: no gather,
+two calls for the four ops), where :func:`native_decodes_agree`. Measured: torch's
+bfloat16 probabilities-times-values product sums 512 positions at a time up to 1,024
+keys, 1,024 at a time from 2,048 (and the scores' 64 pairs in one): up to this length
+one rule, :data:`NATIVE_CHUNK`."""
+NATIVE_CHUNK = 512
 
 
 @functools.cache
@@ -91,6 +100,35 @@ def keys_first_agrees() -> bool:
             if not torch.equal(torch.matmul(q, k.transpose(-1, -2)), _keys_first(q, k)):
                 logger.warning("scores as K @ q^T differ from q @ K^T here (%s): decodes use q @ K^T", dtype)
                 return False
+    return True
+
+
+@functools.cache
+def native_decodes_agree(kv_heads: int, head_dim: int, block_size: int, rows: int) -> bool:
+    """Whether the C decode products give this module's bits (:func:`_scores`, then
+    :func:`_weighted_values` of torch's softmax) for decode groups of this layout with
+    ``rows`` query rows per KV head: checked once, on random pools of 64, 640 and
+    :data:`NATIVE_KEYS` keys, 4 sequences each."""
+    if native.native_library() is None or head_dim != 64 or block_size % 16 or rows > 8:
+        return False
+    gen = torch.Generator().manual_seed(head_dim * 31 + rows)
+    for length in (64, 640, NATIVE_KEYS):
+        bps = -(-length // block_size)
+        blocks = 4 * bps + 1
+        keys, values = ((2 * torch.randn((kv_heads, blocks + 1, block_size, head_dim), generator=gen))
+                        .to(torch.bfloat16) for _ in range(2))
+        table = torch.randperm(blocks, generator=gen)[: 4 * bps]
+        kv_rows = (torch.arange(kv_heads)[:, None] * (blocks + 1) + table[None, :]).reshape(-1)
+        q = (2 * torch.randn((kv_heads, 4, rows, head_dim), generator=gen)).to(torch.bfloat16)
+        k, v = (torch.index_select(t.view(-1, block_size, head_dim), 0, kv_rows).view(kv_heads, 4, -1, head_dim)
+                for t in (keys, values))
+        scores = _scores(q, k)
+        probs = torch.softmax(scores, dim=-1)
+        if not (torch.equal(native.decode_scores(q, keys, kv_rows, bps), scores)
+                and torch.equal(native.decode_values(probs, values, kv_rows, bps, NATIVE_CHUNK),
+                                _weighted_values(probs, v))):
+            logger.warning("native decode attention off: its bits differ from torch's here")
+            return False
     return True
 
 
@@ -273,22 +311,33 @@ def _attend_decodes(
     heads = query.shape[1]
     groups = heads // kv_heads
     n = group.rows.numel()
-    length = group.blocks_per_seq * storage.layout.block_size
-    if group.mirror is not None:
-        keys, values = (t.unsqueeze(1) for t in group.mirror.kv(layer))
-    else:
-        keys, values = storage.gather(layer, group.kv_rows)
-        keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
+    block_size = storage.layout.block_size
+    length = group.blocks_per_seq * block_size
     if not group.queries:
         group.queries.append(query.new_zeros((kv_heads, n, groups + (-groups % ROW_MULTIPLE), head_dim)))
     q = group.queries[0]  # the same values as _pad_rows(query[rows] * scale), in two ops
     first = group.first_row
     mine = query[first : first + n] if first is not None else torch.index_select(query, 0, group.rows)
     torch.mul(mine.view(n, kv_heads, groups, head_dim).transpose(0, 1), scale, out=q[:, :, :groups])
-    scores = _scores(q, keys)  # [kv_heads, n, padded groups, length]
+    native_path = (group.mirror is None and length <= NATIVE_KEYS and q.dtype == torch.bfloat16
+                   and native_decodes_agree(kv_heads, head_dim, block_size, q.shape[2]))
+    if native_path:  # the same products read from the pool in place (see NATIVE_KEYS)
+        scores = native.decode_scores(q, storage.keys[layer], group.kv_rows, group.blocks_per_seq)
+    else:
+        if group.mirror is not None:
+            keys, values = (t.unsqueeze(1) for t in group.mirror.kv(layer))
+        else:
+            keys, values = storage.gather(layer, group.kv_rows)
+            keys, values = keys.view(kv_heads, n, length, head_dim), values.view(kv_heads, n, length, head_dim)
+        scores = _scores(q, keys)  # [kv_heads, n, padded groups, length]
     scores.masked_fill_(group.hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # accumulates in float32 for bfloat16 input
-    chunk = _weighted_values(probs, values)[:, :, :groups]  # [kv_heads, n, groups, head_dim]
+    if native_path:
+        values_out = native.decode_values(probs, storage.values[layer], group.kv_rows, group.blocks_per_seq,
+                                          NATIVE_CHUNK)
+    else:
+        values_out = _weighted_values(probs, values)
+    chunk = values_out[:, :, :groups]  # [kv_heads, n, groups, head_dim]
     # head h of a row is kv head h // groups, query group h % groups (transformers' GQA order)
     if first is not None:
         out[first : first + n].view(n, kv_heads, groups, head_dim).copy_(chunk.transpose(0, 1))

@@ -1,12 +1,15 @@
 """The engine's C library: kernels that give torch's bits with fewer bytes or calls.
 
-Two sources, one shared library:
+Three sources, one shared library:
 
 * ``gguf_decode.c``: few-row products from a GGUF's quantized blocks with oneDNN's
   bfloat16 bits (:mod:`engine.model.gguf_decode`);
 * ``rms_norm.c``: torch's RMSNorm of a few bfloat16 rows, then the weight, with its
   bits (:func:`rms_norm`): one call where torch dispatches eight ops (~4.5 us against
-  ~14 us for a 576-wide row, 61 of them a decode step).
+  ~14 us for a 576-wide row, 61 of them a decode step);
+* ``decode_attention.c``: a decode group's two attention products read straight from
+  the paged pool with torch's bits (:func:`decode_scores`, :func:`decode_values`; used
+  by :mod:`engine.model.attention` where its probe agrees).
 
 Needs AVX-512 with bfloat16 (``avx512_bf16``, ``avx512bw``, ``avx512vl``, ``f16c``)
 and a C compiler with OpenMP (``$CC``, ``cc`` or ``gcc``). Built on first use into
@@ -37,7 +40,7 @@ from engine.model_store import prefixgate_home
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("gguf_decode.c"), Path(__file__).with_name("rms_norm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_decode.c", "rms_norm.c", "decode_attention.c"))
 NORM_ROWS = 8
 """RMSNorm calls of at most this many rows use :func:`rms_norm`'s kernel."""
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
@@ -49,7 +52,12 @@ _SIGNATURES = {
     "gguf_decode_weights": ([_INT, _PTR, _INT, _INT, _PTR], None),
     "gguf_decode_mismatches": ([_INT, _PTR, _INT, _INT, _PTR], ctypes.c_long),
     "rms_norm_rows": ([_PTR, _INT, _INT, _PTR, ctypes.c_float, _PTR], ctypes.c_int),
+    "decode_scores": ([_PTR, _INT, _INT, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, _INT], None),
+    "decode_values": ([_PTR, _INT, _INT, _INT, _INT, _PTR, _PTR, _INT, _INT, _INT, _PTR, _INT], None),
 }
+PARALLEL_WORK = 8192
+"""A decode group's products run on torch's threads from this many positions (KV heads x
+sequences x keys); below, on the calling thread alone."""
 
 
 def _cpu_supported() -> bool:
@@ -143,3 +151,38 @@ def _kernel_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: f
     y = torch.empty_like(x)
     lib.rms_norm_rows(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
     return y
+
+
+def decode_scores(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, blocks_per_seq: int) -> torch.Tensor:
+    """``q @ K^T`` for a decode group: ``q`` ``[kv_heads, n, R, head_dim]`` (bfloat16,
+    contiguous), the keys of each sequence's block table (``rows``: ``KVStorage.rows``
+    of the tables, ``blocks_per_seq`` blocks each) read from ``keys`` (a layer of the
+    pool, ``[kv_heads, blocks + 1, block_size, head_dim]``). ``[kv_heads, n, R, L]``.
+    The library must be loaded (:func:`native_library`)."""
+    kv, n, r, hd = q.shape
+    bs = keys.shape[2]
+    length = blocks_per_seq * bs
+    out = torch.empty((kv, n, r, length), dtype=q.dtype)
+    lib = native_library()
+    assert lib is not None
+    lib.decode_scores(q.data_ptr(), kv, n, r, hd, keys.data_ptr(), rows.data_ptr(), blocks_per_seq, bs,
+                      out.data_ptr(), _threads(kv * n * length))
+    return out
+
+
+def decode_values(probs: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, blocks_per_seq: int,
+                  chunk: int) -> torch.Tensor:
+    """``probs @ V`` for a decode group (as :func:`decode_scores`; ``probs`` ``[kv_heads,
+    n, R, L]`` bfloat16, head_dim 64), summed in chunks of ``chunk`` positions."""
+    kv, n, r, length = probs.shape
+    bs, hd = values.shape[2], values.shape[3]
+    out = torch.empty((kv, n, r, hd), dtype=probs.dtype)
+    lib = native_library()
+    assert lib is not None
+    lib.decode_values(probs.data_ptr(), kv, n, r, hd, values.data_ptr(), rows.data_ptr(), blocks_per_seq, bs,
+                      chunk, out.data_ptr(), _threads(kv * n * length))
+    return out
+
+
+def _threads(work: int) -> int:
+    return torch.get_num_threads() if work >= PARALLEL_WORK else 1
