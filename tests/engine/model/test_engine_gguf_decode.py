@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
-from engine.model import gguf_decode, native
+from engine.model import attention, gguf_decode, native
 from engine.model.gguf_decode import MAX_ROWS, GGUFDecodeLinear, pack
 from engine.model.linear import ROW_TILE, PackedLinear
 from engine.model.native import native_library
@@ -150,9 +150,10 @@ def run(engine, prompts, **params):
 @needs_kernel
 @pytest.mark.real_model
 def test_real_model_outputs_equal_the_dense_products(real_engine, monkeypatch):
-    """The session's real engine decodes with the kernels (the default: these products
-    and the native RMSNorm); a twin on the same weights with torch's ops only gives the
-    same tokens and log-probabilities, each prompt alone and all batched."""
+    """The session's real engine decodes with the kernels (the default: these products,
+    the native RMSNorm and decode attention); a twin on the same weights with torch's
+    ops only gives the same tokens and log-probabilities, each prompt alone and all
+    batched."""
     llama = real_engine.runner._llama
     assert all(isinstance(p, GGUFDecodeLinear) for layer in llama.layers
                for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -169,8 +170,9 @@ def test_real_model_outputs_equal_the_dense_products(real_engine, monkeypatch):
     plain.start()
     try:
         params = dict(max_tokens=24, temperature=0.0, logprobs=3)
-        with monkeypatch.context() as torch_only:  # the twin's norms too (the real engine waits meanwhile)
+        with monkeypatch.context() as torch_only:  # the twin's norms and attention too (the real engine waits)
             torch_only.setattr(native, "rms_norm", native.torch_rms_norm)
+            torch_only.setattr(attention, "native_decodes_agree", lambda *layout: False)
             expected = run(plain, prompts, **params)
             assert [run(plain, [p], **params)[0] for p in prompts] == expected
         assert run(real_engine, prompts, **params) == expected

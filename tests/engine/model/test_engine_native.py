@@ -1,6 +1,8 @@
 """The engine's C library (engine/model/native.py): built once, or cleanly absent; its
 RMSNorm gives torch's bits (widths with and without a vector tail, rows 1-8, three
-scales), and a kernel whose bits would differ is refused (fault injection)."""
+scales), so do its decode attention products (block tables in a pool, 1-8 sequences,
+lengths up to NATIVE_KEYS), and a kernel whose bits would differ is refused (fault
+injection)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from engine.model import native
+from engine.model import attention, native
 
 needs_library = pytest.mark.skipif(native.native_library() is None,
                                    reason="the native kernels need AVX-512 with bf16 and a C compiler")
@@ -86,3 +88,45 @@ def test_a_fresh_build_is_published_whole_and_shares_torchs_openmp(monkeypatch, 
     with open("/proc/self/maps") as maps:
         mapped = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(mapped) == 1, mapped  # one OpenMP runtime in the process: torch's
+
+
+@needs_library
+@pytest.mark.parametrize("sequences", [1, 3, 8])
+def test_decode_attention_products_give_torchs_bits(sequences):
+    """Random pools and block tables; the C products against attention's own torch
+    products (gathered K/V, ``_scores``, softmax, ``_weighted_values``)."""
+    kv, hd, bs, rows = 3, 64, 16, 4
+    assert attention.native_decodes_agree(kv, hd, bs, rows)
+    gen = torch.Generator().manual_seed(sequences)
+    for length in (64, 192, 512, 576, 960, attention.NATIVE_KEYS):
+        bps = length // bs
+        blocks = sequences * bps + 3
+        keys, values = ((3 * torch.randn((kv, blocks + 1, bs, hd), generator=gen)).to(torch.bfloat16)
+                        for _ in range(2))
+        table = torch.randperm(blocks, generator=gen)[: sequences * bps]
+        kv_rows = (torch.arange(kv)[:, None] * (blocks + 1) + table[None, :]).reshape(-1)
+        q = (3 * torch.randn((kv, sequences, rows, hd), generator=gen)).to(torch.bfloat16)
+        k, v = (torch.index_select(t.view(-1, bs, hd), 0, kv_rows).view(kv, sequences, length, hd)
+                for t in (keys, values))
+        scores = native.decode_scores(q, keys, kv_rows, bps)
+        assert torch.equal(scores, attention._scores(q, k)), length
+        probs = torch.softmax(scores, dim=-1)
+        assert torch.equal(native.decode_values(probs, values, kv_rows, bps, attention.NATIVE_CHUNK),
+                           attention._weighted_values(probs, v)), length
+
+
+@needs_library
+def test_decode_attention_with_other_bits_is_refused(monkeypatch, caplog):
+    """Fault injection: a values product one ulp off in one output is caught by the probe."""
+    real = native.decode_values
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.view(torch.int16).view(-1)[7] += 1
+        return out
+
+    monkeypatch.setattr(native, "decode_values", off_by_one)
+    with caplog.at_level(logging.WARNING, logger="engine.model.attention"):
+        assert attention.native_decodes_agree.__wrapped__(3, 64, 16, 4) is False
+    assert "differ from torch's" in caplog.text
+    assert attention.native_decodes_agree.__wrapped__(3, 48, 16, 4) is False  # head_dim 64 only
