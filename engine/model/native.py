@@ -18,7 +18,8 @@ flags; ~1 s; a temporary file renamed into place, so concurrent builders each
 publish a whole library) and loaded after torch: its ``libgomp.so.1`` then resolves
 to torch's, one OpenMP runtime. Where any of this fails, :func:`native_library` is
 None (one log line) and callers keep torch's ops: the outputs are the same either
-way, only the speed differs.
+way, only the speed differs. ``PREFIXGATE_NATIVE=0`` in the environment turns the
+library off on purpose (to compare, or to rule it out).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _cpu_supported() -> bool:
 def native_library() -> ctypes.CDLL | None:
     """The library, built once per sources, compiler and flags; None where this CPU or
     machine cannot build or load it (logged once)."""
+    if os.environ.get("PREFIXGATE_NATIVE", "1") == "0":
+        logger.info("native kernels off: PREFIXGATE_NATIVE=0")
+        return None
     if not _cpu_supported():
         logger.info("native kernels off: the CPU lacks one of %s", ", ".join(_CPU_FLAGS))
         return None

@@ -72,6 +72,13 @@ def test_an_unwritable_cache_leaves_the_kernels_off(monkeypatch, tmp_path, caplo
     assert "building or loading" in caplog.text
 
 
+def test_the_environment_can_turn_the_library_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFIXGATE_NATIVE", "0")
+    assert native.native_library.__wrapped__() is None
+    assert not (tmp_path / "native").exists()
+
+
 def test_a_cpu_without_avx512_bf16_is_not_built_for(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFIXGATE_HOME", str(tmp_path))
     monkeypatch.setattr(native, "_cpu_supported", lambda: False)
