@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.model.native import cpu_flags
 from engine.model_store import BUNDLED_MODEL_NAME, ensure_converted_model
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,7 @@ class LoadedModel:
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bfloat16 arithmetic (AVX-512 BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -61,13 +61,20 @@ PARALLEL_WORK = 8192
 sequences x keys); below, on the calling thread alone."""
 
 
-def _cpu_supported() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where
+    there is none)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in _CPU_FLAGS)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def _cpu_supported() -> bool:
+    return all(flag in cpu_flags() for flag in _CPU_FLAGS)
 
 
 @functools.cache
