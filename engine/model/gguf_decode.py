@@ -41,6 +41,7 @@ products stay.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import numpy as np
@@ -83,17 +84,12 @@ def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)))
 
 
-_PACKS: dict[int, tuple[Q4Matrix | Q8Matrix, torch.Tensor]] = {}
-
-
+@functools.cache
 def _packed(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
     """:func:`pack` of ``matrix``, once per matrix object (the GGUF's blocks are read once
     per process, :func:`~engine.model.q4_weights.read_gguf_blocks`): engines built on
-    the same file share the packed copy."""
-    hit = _PACKS.get(id(matrix))
-    if hit is None or hit[0] is not matrix:
-        hit = _PACKS[id(matrix)] = (matrix, pack(matrix))
-    return hit[1]
+    the same file share the packed copy. (A matrix hashes by its tensors' identities.)"""
+    return pack(matrix)
 
 
 class GGUFDecodeLinear:
