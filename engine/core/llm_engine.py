@@ -51,6 +51,7 @@ from engine.core.sampler import sample, token_logprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import ModuleProbe, ScheduledSequence, Scheduler, SchedulerOutput
 from engine.kvcache.kv_cache_manager import KVCacheManager
+from engine.model.gguf_decode import GGUFBlocks
 from engine.model.kv_offload import KVOffload, model_fingerprint
 from engine.model.kv_shift import KVShifter
 from engine.model.kv_storage import GIB, KVLayout, KVStorage
@@ -65,7 +66,6 @@ from engine.model.pyramid import (
     reselect,
     select,
 )
-from engine.model.q4_weights import GGUFBlocks
 from engine.model.runner import ModelRunner, SequenceInput
 from engine.multimodal.embedder import ImageEmbedder
 from engine.multimodal.encoder_cache import EncoderCache
@@ -191,7 +191,8 @@ class LLMEngine:
         config = self.config
         if not config.gguf_decode or config.weights != "dense" or self.layout.dtype != torch.bfloat16:
             return None
-        from engine.model.q4_weights import gguf_file, read_gguf_blocks
+        from engine.model.gguf_decode import read_gguf_blocks
+        from engine.model.q4_weights import gguf_file
 
         try:
             return read_gguf_blocks(gguf_file(config.model))

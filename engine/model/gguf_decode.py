@@ -43,6 +43,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,7 +52,14 @@ import torch
 from engine.model.attention import ROW_MULTIPLE
 from engine.model.linear import ROW_TILE, PackedLinear, in_tiles
 from engine.model.native import native_library
-from engine.model.q4_weights import BLOCK, Q4Matrix, Q8Matrix
+from engine.model.q4_weights import (
+    BLOCK,
+    Q4Matrix,
+    Q8Matrix,
+    fuse_layer,
+    load_q4_layers,
+    read_q8_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +70,39 @@ CHUNKS = (512, 1024)
 FORMATS = {Q4Matrix: 0, Q8Matrix: 1}
 """The kernel's format codes (``gguf_decode.c``)."""
 _PROBE_TILES = 4
-def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
-    """``matrix`` in the kernel's layout (see ``gguf_decode.c``): uint8 ``[out / 16, in /
-    32, bytes]``. ValueError unless ``out`` is a multiple of 16 and ``in`` of 32."""
+@dataclass(frozen=True)
+class PackedBlocks:
+    """A GGUF matrix in the kernel's layout (see ``gguf_decode.c``): ``data`` uint8 ``[out /
+    16, in / 32, bytes]``, ``format`` a :data:`FORMATS` code, ``shape`` ``(out, in)``."""
+
+    format: int
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """What :class:`GGUFDecodeLinear` reads: per layer the projections fused as the Llama
+    forward multiplies them (``qkv o gate_up down``), and the LM head where it is Q8_0,
+    packed."""
+
+    layers: list[dict[str, PackedBlocks]]
+    output: PackedBlocks | None
+
+
+@functools.lru_cache(maxsize=2)
+def read_gguf_blocks(path: Path) -> GGUFBlocks:
+    """:class:`GGUFBlocks` of a Llama GGUF, read and packed once per process; only the
+    packed copies are kept (96 MB for the bundled model). ValueError as
+    :func:`~engine.model.q4_weights.load_q4_layers`."""
+    layers = [{name: pack(m) for name, m in fuse_layer(layer).items()} for layer in load_q4_layers(path)]
+    output = read_q8_output(path)
+    return GGUFBlocks(layers, None if output is None else pack(output))
+
+
+def pack(matrix: Q4Matrix | Q8Matrix) -> PackedBlocks:
+    """``matrix`` in the kernel's layout. ValueError unless ``out`` is a multiple of 16 and
+    ``in`` of 32."""
     out, cols = matrix.codes.shape
     if out % 16 or cols % BLOCK:
         raise ValueError(f"a {out} x {cols} matrix: the kernel needs out % 16 == 0 and in % {BLOCK} == 0")
@@ -81,15 +120,8 @@ def pack(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
         return np.ascontiguousarray(h).view(np.uint8).reshape(blocks, groups, 32)
 
     scales = [halves(matrix.d)] + ([halves(matrix.m)] if isinstance(matrix, Q4Matrix) else [])
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)))
-
-
-@functools.cache
-def _packed(matrix: Q4Matrix | Q8Matrix) -> torch.Tensor:
-    """:func:`pack` of ``matrix``, once per matrix object (the GGUF's blocks are read once
-    per process, :func:`~engine.model.q4_weights.read_gguf_blocks`): engines built on
-    the same file share the packed copy. (A matrix hashes by its tensors' identities.)"""
-    return pack(matrix)
+    data = torch.from_numpy(np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)))
+    return PackedBlocks(FORMATS[type(matrix)], (out, cols), data)
 
 
 class GGUFDecodeLinear:
@@ -114,16 +146,15 @@ class GGUFDecodeLinear:
         self._lib = lib
 
     @staticmethod
-    def wrap(dense: PackedLinear, matrix: Q4Matrix | Q8Matrix) -> PackedLinear | GGUFDecodeLinear:
+    def wrap(dense: PackedLinear, blocks: PackedBlocks) -> PackedLinear | GGUFDecodeLinear:
         """``dense`` with the kernel for few rows, or ``dense`` itself where the kernel is
         unavailable or does not give its bits (weights or sums; logged)."""
         lib = native_library()
         weight = dense.weight
         if (lib is None or dense.bias is not None or weight.dtype != torch.bfloat16 or not dense.is_packed
-                or tuple(matrix.codes.shape) != tuple(weight.shape)):
+                or blocks.shape != tuple(weight.shape)):
             return dense
-        format_ = FORMATS[type(matrix)]
-        packed = _packed(matrix)
+        format_, packed = blocks.format, blocks.data
         out, cols = weight.shape
         if lib.gguf_decode_mismatches(format_, packed.data_ptr(), out, cols, weight.contiguous().data_ptr()):
             logger.warning("GGUF decode products off for a %d x %d matrix: its blocks are not the dense weights",

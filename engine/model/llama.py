@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from engine.model import native
 from engine.model.attention import ROW_MULTIPLE, AttentionBatch, paged_attention
-from engine.model.gguf_decode import GGUFDecodeLinear
+from engine.model.gguf_decode import GGUFBlocks, GGUFDecodeLinear, PackedBlocks
 from engine.model.linear import Int4Linear, PackedLinear
-from engine.model.q4_weights import GGUFBlocks, Q4Matrix, fuse_layer
+from engine.model.q4_weights import Q4Matrix, fuse_layer
 
 
 def language_parts(model: Any) -> tuple[Any, Any, Any]:
@@ -137,7 +137,7 @@ class LlamaForward:
         self.row_multiple = 1 if all(p.any_rows for p in products) else ROW_MULTIPLE
 
     @staticmethod
-    def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None, decode: Mapping[str, Q4Matrix] | None) -> _Layer:
+    def _fuse(layer: Any, q4: Mapping[str, Q4Matrix] | None, decode: Mapping[str, PackedBlocks] | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up = _fuse_linears([mlp.gate_proj, mlp.up_proj])

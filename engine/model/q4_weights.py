@@ -64,28 +64,11 @@ class Q8Matrix:
         return (self.d[..., None] * self.codes.view(out, cols // BLOCK, BLOCK).to(torch.float32)).view(out, cols)
 
 
-@dataclass(frozen=True)
-class GGUFBlocks:
-    """What :class:`~engine.model.gguf_decode.GGUFDecodeLinear` reads: per layer the
-    projections fused as the Llama forward multiplies them (:func:`fuse_layer`), and the
-    LM head where it is Q8_0."""
-
-    layers: list[dict[str, Q4Matrix]]
-    output: Q8Matrix | None
-
-
 def fuse_layer(q4: Mapping[str, Q4Matrix]) -> dict[str, Q4Matrix]:
     """A layer's seven projections fused as the Llama forward multiplies them: ``qkv``,
     ``o``, ``gate_up``, ``down``."""
     return {"qkv": Q4Matrix.cat([q4["q"], q4["k"], q4["v"]]), "o": q4["o"],
             "gate_up": Q4Matrix.cat([q4["gate"], q4["up"]]), "down": q4["down"]}
-
-
-@functools.lru_cache(maxsize=2)
-def read_gguf_blocks(path: Path) -> GGUFBlocks:
-    """:class:`GGUFBlocks` of a Llama GGUF, read once per process (ValueError as
-    :func:`read_q4_layers`)."""
-    return GGUFBlocks([fuse_layer(layer) for layer in read_q4_layers(path)], read_q8_output(path))
 
 
 def gguf_file(model: str | None) -> Path:
@@ -103,6 +86,11 @@ def gguf_file(model: str | None) -> Path:
 
 @functools.lru_cache(maxsize=2)
 def read_q4_layers(path: Path) -> list[dict[str, Q4Matrix]]:
+    """:func:`load_q4_layers`, kept per process (``--weights q4_1`` engines share them)."""
+    return load_q4_layers(path)
+
+
+def load_q4_layers(path: Path) -> list[dict[str, Q4Matrix]]:
     """Per layer, its seven projections (``q k v o gate up down``) as :class:`Q4Matrix`.
     Raises ValueError if the file is not a Llama GGUF whose projections are all Q4_1."""
     import gguf
@@ -129,7 +117,6 @@ def read_q4_layers(path: Path) -> list[dict[str, Q4Matrix]]:
     return layers
 
 
-@functools.lru_cache(maxsize=2)
 def read_q8_output(path: Path) -> Q8Matrix | None:
     """The LM head's blocks (``output.weight``, else the tied ``token_embd.weight``) when
     they are Q8_0, else None."""

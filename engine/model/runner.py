@@ -41,13 +41,14 @@ from engine.model.attention import (
     SequenceSlice,
     padded_length,
 )
+from engine.model.gguf_decode import GGUFBlocks
 from engine.model.kv_mirror import MIN_TOKENS, KVMirrors, MirrorUse
 from engine.model.kv_storage import KVStorage
 from engine.model.packed_attention import PackedChunk, PackedDecodes
 from engine.model.packed_kv import PackedKV
 from engine.model.packed_mirror import PackedMirrors
 from engine.model.pyramid import AttentionCapture, PyramidSchedule
-from engine.model.q4_weights import GGUFBlocks, Q4Matrix
+from engine.model.q4_weights import Q4Matrix
 
 
 def padded_table(block_ids: Sequence[int], end: int, storage: KVStorage) -> list[int]:

@@ -34,7 +34,7 @@ def kernel_matches() -> bool:
     if native_library() is None:
         return False
     matrix = random_q4(576, 1536, seed=99)
-    return isinstance(GGUFDecodeLinear.wrap(dense_of(matrix), matrix), GGUFDecodeLinear)
+    return isinstance(GGUFDecodeLinear.wrap(dense_of(matrix), pack(matrix)), GGUFDecodeLinear)
 
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -72,7 +72,7 @@ def test_every_row_count_gets_the_dense_tiles_bits(kind, out, cols):
     shape = (out, cols)
     matrix = (random_q4 if kind == "q4_1" else random_q8)(*shape, seed=sum(shape))
     dense = dense_of(matrix)
-    product = GGUFDecodeLinear.wrap(dense, matrix)
+    product = GGUFDecodeLinear.wrap(dense, pack(matrix))
     assert isinstance(product, GGUFDecodeLinear)
     assert product.any_rows
     assert product.chunk in (*gguf_decode.CHUNKS, shape[1])
@@ -95,8 +95,9 @@ def test_every_row_count_gets_the_dense_tiles_bits(kind, out, cols):
 def test_the_kernel_dequantizes_like_the_checkpoint(kind):
     matrix = random_q4(576, 1536, seed=3) if kind == "q4_1" else random_q8(576, 1536, seed=3)
     packed = pack(matrix)
+    assert packed.format == gguf_decode.FORMATS[type(matrix)] and packed.shape == (576, 1536)
     out = torch.empty((576, 1536), dtype=torch.bfloat16)
-    native_library().gguf_decode_weights(gguf_decode.FORMATS[type(matrix)], packed.data_ptr(), 576, 1536,
+    native_library().gguf_decode_weights(packed.format, packed.data.data_ptr(), 576, 1536,
                                          out.data_ptr())
     assert torch.equal(out, matrix.dequantize().to(torch.bfloat16))
 
@@ -109,7 +110,7 @@ def test_blocks_that_are_not_the_dense_weights_keep_the_dense_product(kind, capl
     weight[100, 200] = weight[100, 200] + 1  # one weight off: the blocks are another matrix
     dense = PackedLinear(weight)
     with caplog.at_level(logging.WARNING, logger="engine.model.gguf_decode"):
-        assert GGUFDecodeLinear.wrap(dense, matrix) is dense
+        assert GGUFDecodeLinear.wrap(dense, pack(matrix)) is dense
     assert "not the dense weights" in caplog.text
 
 
@@ -120,7 +121,7 @@ def test_no_chunk_matching_keeps_the_dense_product(monkeypatch, caplog):
     monkeypatch.setattr(gguf_decode, "CHUNKS", (32,))
     matrix = random_q4(576, 1536, seed=5)
     dense = dense_of(matrix)
-    wrapped = GGUFDecodeLinear.wrap(dense, matrix)
+    wrapped = GGUFDecodeLinear.wrap(dense, pack(matrix))
     if isinstance(wrapped, GGUFDecodeLinear):  # the whole input as one chunk was oneDNN's: still exact
         assert wrapped.chunk == 1536
     else:
