@@ -9,17 +9,14 @@ and a request that quotes its document back.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-
 import pytest
+from support.engine_runs import tokens_and_logprobs
 
 from engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
-from engine.core.llm_engine import GenerationRequest, LLMEngine, SamplingParams
+from engine.core.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.real_model
 
-_ids = itertools.count()
 DOCUMENT = ("The shop opens at eight on weekdays and at ten on Saturdays. Chains cost twelve euros, "
             "tyres twenty, and a full service forty-five. Cargo bikes are repaired on Tuesdays only.")
 
@@ -35,15 +32,6 @@ def prompts_for(engine):
                for c in chats])
 
 
-def run(engine, prompts, **params):
-    async def go():
-        streams = [engine.submit(GenerationRequest(f"sr-{next(_ids)}", p, SamplingParams(**params)))
-                   for p in prompts]
-        return await asyncio.gather(*(s.collect() for s in streams))
-
-    return [([t for o in outs for t in o.new_token_ids],
-             [(x.token_id, x.logprob, x.top) for o in outs for x in o.logprobs or []])
-            for outs in asyncio.run(go())]
 
 
 def check(engine, **params):
@@ -54,9 +42,9 @@ def check(engine, **params):
     plain.start()
     try:
         prompts = prompts_for(engine)
-        expected = run(plain, prompts, **params)
+        expected = tokens_and_logprobs(plain, prompts, **params)
         before = engine.stats()
-        assert run(engine, prompts, **params) == expected
+        assert tokens_and_logprobs(engine, prompts, **params) == expected
         after = engine.stats()
     finally:
         plain.shutdown()
