@@ -133,28 +133,9 @@ long gguf_decode_mismatches(int format, const uint8_t* packed, int N, int K, con
       FOR_PAIRS(format, g, w, {
         const uint16_t* base = dense + (size_t)(16 * j) * K + k0 + 2 * p;
         __m512i expected = _mm512_i32gather_epi32(rows, (const void*)base, 1);
-        differ += 2 * __builtin_popcount(_mm512_cmpneq_epi32_mask(w, expected));
+        differ += __builtin_popcount(_mm512_cmpneq_epi16_mask(w, expected));
       });
     }
   }
   return differ;
-}
-
-/* W's bfloat16 dequantization, [N, K] (for tests). */
-void gguf_decode_weights(int format, const uint8_t* packed, int N, int K, uint16_t* out) {
-  const size_t block_bytes = (size_t)(K / GROUP) * group_bytes(format);
-  for (int j = 0; j < N / 16; j++) {
-    for (int k0 = 0; k0 < K; k0 += GROUP) {
-      const uint8_t* g = packed + (size_t)j * block_bytes + (size_t)(k0 / GROUP) * group_bytes(format);
-      FOR_PAIRS(format, g, w, {
-        uint32_t lanes[16];
-        _mm512_storeu_si512(lanes, w);
-        for (int i = 0; i < 16; i++) {
-          uint16_t* row = out + (size_t)(16 * j + i) * K + k0 + 2 * p;
-          row[0] = (uint16_t)(lanes[i] & 0xFFFF);
-          row[1] = (uint16_t)(lanes[i] >> 16);
-        }
-      });
-    }
-  }
 }

@@ -50,7 +50,6 @@ _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c")
 _INT, _PTR = ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "gguf_decode_product": ([_INT, _PTR, _INT, _INT, _INT, _PTR, _INT, _PTR, _INT], None),
-    "gguf_decode_weights": ([_INT, _PTR, _INT, _INT, _PTR], None),
     "gguf_decode_mismatches": ([_INT, _PTR, _INT, _INT, _PTR], ctypes.c_long),
     "rms_norm_rows": ([_PTR, _INT, _INT, _PTR, ctypes.c_float, _PTR], ctypes.c_int),
     "decode_scores": ([_PTR, _INT, _INT, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, _INT], None),
