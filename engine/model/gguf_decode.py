@@ -70,6 +70,8 @@ CHUNKS = (512, 1024)
 FORMATS = {Q4Matrix: 0, Q8Matrix: 1}
 """The kernel's format codes (``gguf_decode.c``)."""
 _PROBE_TILES = 4
+
+
 @dataclass(frozen=True)
 class PackedBlocks:
     """A GGUF matrix in the kernel's layout (see ``gguf_decode.c``): ``data`` uint8 ``[out /

@@ -77,12 +77,8 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``: normalised in float32, rounded to the model dtype,
-    then scaled. torch's ``rms_norm`` without a weight is that first part for a
-    bfloat16 ``x`` (it upcasts, computes transformers' pow/mean/rsqrt/mul in float32 and
-    rounds back: the same bits, per row, in a third of the ops); the weight is applied
-    after the rounding, as transformers does. A few rows go through the engine's C
-    kernel where it gives the same bits (:func:`engine.model.native.rms_norm`)."""
+    """transformers' ``LlamaRMSNorm``, with torch's bits (:func:`engine.model.native.rms_norm`:
+    torch's ``rms_norm`` then the weight, a few rows through the engine's C kernel)."""
     return native.rms_norm(x, weight, eps)
 
 
