@@ -139,6 +139,14 @@ class Assembly:
     """``cacheblend``: how many candidates to add to ``runs`` once the probe has measured
     their deviation (:meth:`~engine.core.module_assembler.ModuleAssembler.probed`);
     0 once added (or with nothing to choose)."""
+    probed: int = field(default=0, init=False)
+    """``cacheblend``: the probe has measured positions ``hit .. probed - 1`` (it runs in
+    position order, in chunks of one or more steps: :meth:`next_probe`)."""
+    deviation: list[tuple[float, float]] = field(default_factory=list, init=False)
+    """The probe's deviations so far, one pair per position from :attr:`hit` on."""
+
+    def __post_init__(self) -> None:
+        self.probed = self.hit
 
     @property
     def active(self) -> bool:
@@ -154,6 +162,27 @@ class Assembly:
     def probe_span(self) -> tuple[int, int]:
         """The positions the probe computes layer 0 of: from the hit to the last candidate."""
         return self.hit, self.candidates[-1] + 1
+
+    def next_probe(self, most: int) -> tuple[int, int]:
+        """The next chunk of the probe: up to ``most`` (at least one) positions from
+        :attr:`probed` on, within :attr:`probe_span`. Changes nothing."""
+        end = self.probe_span[1]
+        return self.probed, min(end, self.probed + max(most, 1))
+
+    def add_probe(self, start: int, deviation: list[tuple[float, float]] | None, anchor_len: int) -> None:
+        """A probe chunk from ``start`` measured ``deviation`` (one pair per position;
+        None: no probe can run here). Once the whole span is measured (or at once with
+        None), :meth:`select` adds the recovery tokens to ``runs``."""
+        if start != self.probed:
+            raise ValueError(f"probe chunk at {start}, expected {self.probed}")
+        if deviation is None:
+            self.select(None, anchor_len)
+            return
+        self.deviation.extend(deviation)
+        self.probed = start + len(deviation)
+        if self.probed >= self.probe_span[1]:
+            self.select(self.deviation, anchor_len)
+            self.deviation = []
 
     def select(self, deviation: list[tuple[float, float]] | None, anchor_len: int) -> None:
         """Add the ``budget`` most deviating candidates to ``runs`` (``deviation``: one

@@ -560,7 +560,8 @@ class LLMEngine:
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         deviation = self.runner.probe(tokens, probe.start, block_ids, keep=assembly.KEEP_PROBED_KV,
                                       depth=assembly.PROBE_DEPTH)
-        self.scheduler.probed(req, None if deviation is None else [(float(k), float(v)) for k, v in deviation.tolist()])
+        self.scheduler.probed(req, probe.start,
+                              None if deviation is None else [(float(k), float(v)) for k, v in deviation.tolist()])
 
     def _capture(self, req: EngineRequest, start: int, end: int) -> AttentionCapture | None:
         """An attention capture for the chunk that ends a compressed request's prefill, or

@@ -138,8 +138,9 @@ class ModuleAssembler:
                                                                      list[KVCopy], list[tuple[int, int]], bool]:
         """Up to ``allowance`` tokens of ``req``'s assembly this step: encode chunks
         ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order,
-        and whether the request is to be probed after the copies (``cacheblend``: then
-        no runs this step; :meth:`probed` adds the selection to the runs). Copies come
+        and whether the request's probe goes on this step, after the copies
+        (``cacheblend``: then no runs this step; the scheduler sizes the probe's chunk,
+        :meth:`probed` adds the selection to the runs after the last). Copies come
         only in a step after the last encode chunk's forward."""
         asm = req.assembly
         assert asm is not None
@@ -170,12 +171,12 @@ class ModuleAssembler:
                 asm.runs.pop(0)
         return encodes, copies, runs, False
 
-    def probed(self, req: EngineRequest, deviation: list[tuple[float, float]] | None) -> None:
-        """``req``'s probe is done: recompute the tokens its selection picks
-        (:meth:`Assembly.select`). Changes no block."""
+    def probed(self, req: EngineRequest, start: int, deviation: list[tuple[float, float]] | None) -> None:
+        """A chunk of ``req``'s probe from ``start`` is done; after the last, recompute
+        the tokens its selection picks (:meth:`Assembly.add_probe`). Changes no block."""
         asm = req.assembly
         assert asm is not None and asm.copied and asm.budget > 0
-        asm.select(deviation, len(anchor_of(req.segmented)) if req.segmented is not None else 0)
+        asm.add_probe(start, deviation, len(anchor_of(req.segmented)) if req.segmented is not None else 0)
 
     def _copies(self, req: EngineRequest, asm: Assembly) -> list[KVCopy]:
         """The copies of every module into ``req``'s blocks; caches freshly encoded

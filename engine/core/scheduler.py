@@ -143,6 +143,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from engine.core import assembly
 from engine.core.assembly import anchor_of
 from engine.core.engine_request import EngineRequest
 from engine.core.module_assembler import ModuleAssembler
@@ -694,14 +695,14 @@ class Scheduler:
     def _assemble(self, req: EngineRequest, most: int, step: _Step) -> int:
         """Schedule up to ``most`` tokens of a segmented request's assembly
         (:mod:`engine.core.module_assembler`); the tokens scheduled."""
-        encodes, copies, runs, probe = self.modules.schedule(req, min(most, step.budget))
+        allowance = min(most, step.budget)
+        encodes, copies, runs, probe = self.modules.schedule(req, allowance)
         step.out.copies.extend(copies)
-        if probe:
-            assert req.assembly is not None
-            step.out.probes.append(ModuleProbe(req, *req.assembly.probe_span))
-        if copies:
-            step.requests.add(req)  # its blocks are written this step: never preempted in it
         used = 0
+        if probe:
+            used = self._probe_chunk(req, allowance, step)
+        if copies or probe:
+            step.requests.add(req)  # its blocks are written this step: never preempted in it
         for token_ids, start, block_ids in encodes:
             step.out.encodes.append(ModuleEncode(req, token_ids, start, block_ids))
             step.requests.add(req)
@@ -711,6 +712,23 @@ class Scheduler:
             step.add(ScheduledSequence(req, start, n))
             used += n
         return used
+
+    def _probe_chunk(self, req: EngineRequest, allowance: int, step: _Step) -> int:
+        """Schedule the next chunk of ``req``'s probe (``cacheblend``) within
+        ``allowance`` tokens; the tokens it is charged. A probed position runs
+        ``PROBE_DEPTH`` layers and one layer's K/V of ``num_layers``, so it costs that
+        share of a token at its context (:func:`chunk_cost`): a long prompt's probe is
+        spread over steps like a long prefill, in position order (each chunk's layer 0
+        attends to the exact layer-0 K/V the earlier chunks wrote)."""
+        asm = req.assembly
+        assert asm is not None
+        share = self.num_layers / (assembly.PROBE_DEPTH + 1)
+        most = tokens_within(asm.probed, allowance * share, self.context_cost_tokens, self.sequence_cost_tokens)
+        start, end = asm.next_probe(most)
+        step.out.probes.append(ModuleProbe(req, start, end))
+        cost = chunk_cost(start, end - start, self.context_cost_tokens, self.sequence_cost_tokens) / share
+        step.cost -= cost
+        return max(1, math.ceil(cost))
 
     def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
         """True when the next block ``req`` could hit is one a running request has not
@@ -838,10 +856,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---------------------------------------------------------- after a step
-    def probed(self, req: EngineRequest, deviation: list[tuple[float, float]] | None) -> None:
-        """A probe of this step is done: ``req``'s recovery tokens are chosen from
-        ``deviation`` (None: none measured), its runs scheduled from the next step."""
-        self.modules.probed(req, deviation)
+    def probed(self, req: EngineRequest, start: int, deviation: list[tuple[float, float]] | None) -> None:
+        """A probe chunk of this step (from position ``start``) is done; once ``req``'s
+        whole probe is, its recovery tokens are chosen from the deviations (None: none
+        measured, chosen at once), its runs scheduled from the next step."""
+        self.modules.probed(req, start, deviation)
 
     def forget_unwritten(self, out: SchedulerOutput) -> None:
         """After a failed forward: no block the step was computing stays findable."""

@@ -63,3 +63,33 @@ def test_cacheblend_chooses_among_the_module_tokens_after_the_probe():
     fallback = Assembly([], list(runs), 0, 20, candidates=candidates, module_starts=starts, budget=budget)
     fallback.select(None, 0)  # no probe: the tokens that missed most of their context
     assert fallback.runs == [(0, 5), (14, 17), (24, 27)]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 10, 24, 100])
+def test_a_probe_in_chunks_selects_what_one_probe_selects(chunk):
+    sp = prompt(Recovery("cacheblend", fraction=0.2))
+    runs = plan_runs(sp, 0, len(sp.token_ids))
+    candidates, starts, budget = blend_candidates(sp, 0, runs)
+    deviation = [(float((p * 7) % 11), float((p * 5) % 13)) for p in range(24)]
+    whole = Assembly([], list(runs), 0, 20, candidates=candidates, module_starts=starts, budget=budget)
+    whole.add_probe(0, deviation, 0)
+    chunked = Assembly([], list(runs), 0, 20, candidates=candidates, module_starts=starts, budget=budget)
+    while chunked.budget:
+        start, end = chunked.next_probe(chunk)
+        assert start == chunked.probed and end == min(24, start + chunk)
+        chunked.add_probe(start, deviation[start:end], 0)
+    assert chunked.runs == whole.runs and whole.budget == 0 and chunked.deviation == []
+    assert len(whole.runs) > len(runs)  # the selection added recovery tokens
+
+
+def test_a_probe_chunk_must_continue_where_the_last_ended():
+    sp = prompt(Recovery("cacheblend", fraction=0.2))
+    runs = plan_runs(sp, 0, len(sp.token_ids))
+    candidates, starts, budget = blend_candidates(sp, 0, runs)
+    asm = Assembly([], runs, 0, 20, candidates=candidates, module_starts=starts, budget=budget)
+    asm.add_probe(0, [(1.0, 1.0)] * 8, 0)
+    assert asm.next_probe(0) == (8, 9) and asm.budget == budget  # at least one position; nothing chosen yet
+    with pytest.raises(ValueError, match="probe chunk at 4, expected 8"):
+        asm.add_probe(4, [(1.0, 1.0)] * 4, 0)
+    asm.add_probe(8, None, 0)  # no probe can run: chosen at once by the missed context
+    assert asm.budget == 0

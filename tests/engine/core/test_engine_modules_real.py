@@ -135,3 +135,35 @@ def test_default_recovery_agrees_with_full_prefill_where_epic_did_not(real_engin
         default, _, cached = generate(real_engine, sp, True, logits, 1)
         assert epic != full and default == full, (i, full, epic, default)
         assert cached > len(sp.token_ids) // 2  # most module tokens reused
+
+
+def test_a_probe_spread_over_steps_gives_the_same_output(real_engine, texts, logits):
+    """cacheblend's probe in chunks (a small step budget: bounded work per step) gives the
+    bits one probe over the prompt gives, bfloat16 included."""
+    sp = prompt(texts, [3, 1, 4, 0], "Which text allows sublicensing?", Recovery("cacheblend", fraction=0.1))
+    warm = prompt(texts, [0, 1, 2, 3, 4], "Warm up.", Recovery("none"))
+    probes: list[int] = []
+    probe = real_engine.runner.probe
+    scheduler = real_engine.scheduler
+    budget = scheduler.max_num_batched_tokens
+
+    def generate_salted(segmented, salt, max_tokens):  # each salt its own modules and assembled chain
+        rid = f"real-mod-{next(_ids)}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        request = GenerationRequest(rid, segmented.token_ids, params, cache_salt=salt, segmented=segmented)
+        outs = real_engine.submit(request).result(600)
+        assert outs[-1].error is None
+        return [t for o in outs for t in o.new_token_ids], logits[rid]
+
+    real_engine.runner.probe = lambda token_ids, *a, **kw: probes.append(len(token_ids)) or probe(token_ids, *a, **kw)
+    try:
+        generate_salted(warm, "one-probe", 1)
+        one_tokens, one_logits = generate_salted(sp, "one-probe", 8)
+        generate_salted(warm, "chunked", 1)
+        real_engine.call(lambda: setattr(scheduler, "max_num_batched_tokens", 16))
+        tokens, first_logits = generate_salted(sp, "chunked", 8)
+    finally:
+        real_engine.call(lambda: setattr(scheduler, "max_num_batched_tokens", budget))
+        real_engine.runner.probe = probe
+    assert len(probes) > 2 and probes[0] == sum(probes[1:])  # one probe, then the same span in chunks
+    assert tokens == one_tokens and torch.equal(first_logits, one_logits)
