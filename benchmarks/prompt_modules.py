@@ -22,10 +22,13 @@ the first generated token equal, the 32 greedy tokens equal (the fraction of
 positions equal up to the first difference, and whether all are), and the mean
 KL divergence KL(full || mode) of the first output distribution (full vocabulary,
 float32); and how many first-token misses fall on near-ties (full prefill's top two
-logits at most NEAR_TIE apart). Prints a table, writes benchmarks/results/prompt_modules.json.
+logits at most NEAR_TIE apart). With ``--fp32-reference`` every prompt's full prefill
+runs again on a float32 engine after the timed pass: how often bfloat16 full prefill
+keeps float32's first token (the reference's own numerical noise), and each mode's
+first token against float32's. Prints a table, writes benchmarks/results/prompt_modules.json.
 
 Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/prompt_modules.py [--prompts 100] [--docs 4]
-       [--pool 8] [--modes none epic cacheblend] [--anchor]
+       [--pool 8] [--modes none epic cacheblend] [--anchor] [--fp32-reference]
 Issue targets: --docs 4 (~1k tokens): TTFT >= 10x faster than full prefill; --docs 16
 --pool 16 (~4k tokens): >= 20x; the default recovery's first token equal in >= 95% of 100 prompts.
 """
@@ -149,6 +152,25 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / len(a)
 
 
+def fp32_reference(args: argparse.Namespace, rows: list[dict[str, Any]], docs: list[str],
+                   recoveries: dict[str, Recovery]) -> None:
+    """Each row's full prefill again on a float32 engine (after the bfloat16 one stopped:
+    one OpenMP pool at a time); adds ``fp32_first`` and ``fp32_margin`` to each row."""
+    engine = LLMEngine.launch(EngineConfig(kv_cache_memory_gib=1.0, num_threads=args.threads, seed=0,
+                                           dtype="float32"))
+    probe = Probe(engine)
+    rec = next(iter(recoveries.values()))
+    try:
+        for i, row in enumerate(rows):
+            sp = build(engine.tokenizer, docs, row["order"], row["question"], rec)
+            got = generate(engine, probe, f"fp32-{i}", sp, False, 1, salt=f"fp32-{i}")
+            top2 = torch.topk(got["logits"], 2).values
+            row["fp32_first"] = got["tokens"][0]
+            row["fp32_margin"] = float(top2[0] - top2[1])
+    finally:
+        engine.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=100)
@@ -161,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.1, help="cacheblend: fraction recomputed")
     parser.add_argument("--anchor", action="store_true",
                         help="encode modules after the prompt's head (default: at position 0, alone)")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="after the timed pass, run every prompt's full prefill again on a float32 engine: "
+                             "how often bfloat16 full prefill itself keeps float32's first token (the reference's "
+                             "own noise), and each mode's first token against float32's")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -194,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             full = generate(cached, probe, f"full-{i}", sp, False, OUTPUT_TOKENS, salt=f"full-{i}")
             exact = generate(cached, probe, f"exact-{i}", sp, False, 1)
             top2 = torch.topk(full["logits"], 2).values
-            row: dict[str, Any] = {"prompt_tokens": len(sp.token_ids), "order": order,
+            top2_ids = torch.topk(full["logits"], 2).indices.tolist()
+            row: dict[str, Any] = {"prompt_tokens": len(sp.token_ids), "order": order, "question": question,
+                                   "full_first": full["tokens"][0],
+                                   "full_top2": [tok.decode([t]) for t in top2_ids],
                                    "full_margin": float(top2[0] - top2[1]),
                                    "full_ms": full["ttft"] * 1e3, "exact_ms": exact["ttft"] * 1e3,
                                    "exact_cached": exact["cached"], "modes": {}}
@@ -202,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 spm = SegmentedPrompt(sp.segments, rec)
                 got = generate(cached, probe, f"{mode}-{i}", spm, True, OUTPUT_TOKENS)
                 row["modes"][mode] = {
-                    "ms": got["ttft"] * 1e3, "cached": got["cached"],
+                    "ms": got["ttft"] * 1e3, "cached": got["cached"], "first_token": got["tokens"][0],
                     "first_equal": got["tokens"][0] == full["tokens"][0],
                     "all_equal": got["tokens"] == full["tokens"],
                     "agreement": agreement(got["tokens"], full["tokens"]),
@@ -216,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = cached.stats()
     finally:
         cached.shutdown()
+    if args.fp32_reference:
+        fp32_reference(args, rows, docs, recoveries)
 
     med = lambda xs: statistics.median(xs)  # noqa: E731
     full_ms = med([r["full_ms"] for r in rows])
@@ -248,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['cached_tokens']:>7.0f} {s['first_token_agreement']:>8.0%} {s['greedy32_all_equal']:>9.0%} "
               f"{s['greedy32_agreement']:>9.2f} {s['mean_kl']:>8.4f} "
               f"{s['first_token_misses_at_near_ties']:>14} of {misses:<3}")
+    if args.fp32_reference:
+        same = sum(r["full_first"] == r["fp32_first"] for r in rows)
+        print(f"float32 reference: bfloat16 full prefill keeps float32's first token in {same} of {len(rows)} "
+              "prompts; per mode: " + ", ".join(
+                  f"{m} {sum(r['modes'][m]['first_token'] == r['fp32_first'] for r in rows)}" for m in args.modes))
+        for mode in args.modes:
+            summary[mode]["first_token_agreement_fp32_reference"] = sum(
+                r["modes"][mode]["first_token"] == r["fp32_first"] for r in rows) / len(rows)
+        summary["bf16_full_vs_fp32_full_first_token"] = same / len(rows)
     near = sum(1 for r in rows if r["full_margin"] <= NEAR_TIE)
     print(f"near-ties (full prefill's top-2 logit gap <= {NEAR_TIE}): {near} of {len(rows)} prompts")
     args.out.parent.mkdir(parents=True, exist_ok=True)
