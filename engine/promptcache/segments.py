@@ -55,7 +55,12 @@ class Recovery:
     ``last_tokens`` tokens (the boundary into the next segment) of every reused
     module; ``cacheblend`` (the default): the ``fraction`` of module tokens whose
     layer-1 K/V deviate most from what this prompt's context gives them (measured by
-    a probe of the first two layers, :mod:`engine.core.module_assembler`)."""
+    a probe of the first two layers, :mod:`engine.core.module_assembler`).
+
+    The default is measured (docs/engine.md, "Prompt modules"): ``epic`` with 2 first
+    tokens is as good for the first token at ~1k tokens of modules (81 of 100 against
+    83) at 3x the speed, but at ~4k tokens (16 modules) it agrees on 4 of 10 first
+    tokens against ``cacheblend`` 0.1's 7 of 10, its KL 0.80 against 0.24."""
 
     mode: RecoveryMode = "cacheblend"
     first_tokens: int = 16

@@ -117,23 +117,48 @@ def _benchmark():
     return module
 
 
-def test_default_recovery_agrees_with_full_prefill_where_epic_did_not(real_engine, logits):
-    """Prompts of benchmarks/prompt_modules.py (4 documents, ~1k tokens) whose first token
-    under the previous default (``epic``, 16 tokens) differs from full prefill's: the
-    default (``cacheblend`` 0.1, tokens chosen by their layer-1 KV deviation) gets it right."""
+def _benchmark_prompts(engine, logits, indices):
+    """The prompts ``indices`` of benchmarks/prompt_modules.py (4 documents, ~1k tokens),
+    its modules encoded first."""
     bench = _benchmark()
-    tok = real_engine.tokenizer
+    tok = engine.tokenizer
     docs = bench.documents(tok, 8)
     rng = __import__("random").Random(0)
-    orders = [rng.sample(range(8), 4) for _ in range(71)]
-    generate(real_engine, bench.build(tok, docs, list(range(8)), "Warm-up.", Recovery()), True, logits, 1)
-    for i in (1, 70):  # the benchmark's prompts 1 and 70 (full prefill's top-2 logit gaps 0.875, 0.375)
-        sp = bench.build(tok, docs, orders[i], f"{bench.QUESTIONS[i % len(bench.QUESTIONS)]} (#{i})", Recovery())
+    orders = [rng.sample(range(8), 4) for _ in range(max(indices) + 1)]
+    generate(engine, bench.build(tok, docs, list(range(8)), "Warm-up.", Recovery("none")), True, logits, 1)
+    return [bench.build(tok, docs, orders[i], f"{bench.QUESTIONS[i % len(bench.QUESTIONS)]} (#{i})", Recovery())
+            for i in indices]
+
+
+def test_recomputing_two_tokens_of_each_module_agrees_where_none_did_not(real_engine, logits):
+    """The benchmark's prompts 7 and 75 (full prefill's top-2 logit gap 1.375 each): with
+    the modules' K/V as they are (``none``) the first token differs from full prefill's;
+    ``epic`` with each module's first 2 tokens recomputed (no module's first token stays
+    an attention sink) gets it right, reusing all but those tokens."""
+    for sp in _benchmark_prompts(real_engine, logits, [7, 75]):
+        full, _, _ = generate(real_engine, sp, False, logits, 1)
+        none, _, _ = generate(real_engine, SegmentedPrompt(sp.segments, Recovery("none")), True, logits, 1)
+        default, _, cached = generate(real_engine, SegmentedPrompt(sp.segments, Recovery("epic", first_tokens=2)),
+                                      True, logits, 1)
+        assert none != full and default == full, (full, none, default)
+        module_tokens = sum(len(s.token_ids) for s in sp.segments if s.module is not None)
+        bs = real_engine.kv_cache_manager.block_size
+        head = len(sp.segments[0].token_ids) // bs * bs  # the chat head's full blocks, on the exact chain
+        assert cached == head + module_tokens - 4 * 2  # every module token reused but the 2 recomputed of each
+
+
+def test_default_recovery_agrees_with_full_prefill_where_epic_16_did_not(real_engine, logits):
+    """The benchmark's prompts 1 and 70 (full prefill's top-2 logit gaps 0.875, 0.375):
+    ``epic`` with 16 tokens misses full prefill's first token; the default,
+    ``cacheblend`` 0.1 (tokens chosen by their layer-1 KV deviation), gets it right."""
+    assert Recovery() == Recovery("cacheblend", fraction=0.1)
+    for sp in _benchmark_prompts(real_engine, logits, [1, 70]):
         full, _, _ = generate(real_engine, sp, False, logits, 1)
         epic, _, _ = generate(real_engine, SegmentedPrompt(sp.segments, Recovery("epic", first_tokens=16)), True,
                               logits, 1)
-        default, _, cached = generate(real_engine, sp, True, logits, 1)
-        assert epic != full and default == full, (i, full, epic, default)
+        blend, _, cached = generate(real_engine, SegmentedPrompt(sp.segments, Recovery("cacheblend", fraction=0.1)),
+                                    True, logits, 1)
+        assert epic != full and blend == full, (full, epic, blend)
         assert cached > len(sp.token_ids) // 2  # most module tokens reused
 
 

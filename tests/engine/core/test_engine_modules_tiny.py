@@ -294,26 +294,29 @@ def test_a_failed_probe_fails_its_request_and_leaves_nothing_findable(make_tiny_
     assert run(engine, sp)[0] == expected  # nothing half-written was kept on the assembled chain
 
 
+def _probed_run(engine, rid: str) -> tuple[list[int], torch.Tensor, list[tuple[int, int]]]:
+    """A cacheblend request after its modules were encoded: its tokens, first logits and
+    probe chunks ``(start, n)``."""
+    run(engine, segmented([90, 91, 92, 93]))  # the modules, encoded once
+    chunks: list[tuple[int, int]] = []
+    probe = engine.runner.probe
+
+    def recording(token_ids, start, *args, **kwargs):
+        chunks.append((start, len(token_ids)))
+        return probe(token_ids, start, *args, **kwargs)
+
+    engine.runner.probe = recording
+    logits: dict[str, torch.Tensor] = {}
+    engine.first_logits_observer = lambda r, row: logits.__setitem__(r, row.clone())
+    tokens, _ = run(engine, segmented([93, 91, 90, 92], mode="cacheblend"), rid=rid)
+    return tokens, logits[rid], chunks
+
+
 def test_a_long_probe_is_spread_over_steps_within_the_budget(make_tiny_engine):
     """cacheblend's probe is chunked like a prefill (bounded work per step), in position
     order; the tokens and the first logits are those of one probe over the whole span."""
-    results = {}
-    for budget in (1024, 16):
-        engine = make_tiny_engine(max_num_batched_tokens=budget)
-        run(engine, segmented([90, 91, 92, 93]))  # the modules, encoded once
-        chunks: list[tuple[int, int]] = []
-        probe = engine.runner.probe
-
-        def recording(token_ids, start, *args, **kwargs):
-            chunks.append((start, len(token_ids)))
-            return probe(token_ids, start, *args, **kwargs)
-
-        engine.runner.probe = recording
-        logits: dict[str, torch.Tensor] = {}
-        engine.first_logits_observer = lambda rid, row: logits.__setitem__(rid, row.clone())
-        tokens, _ = run(engine, segmented([93, 91, 90, 92], mode="cacheblend"), rid=f"probed-{budget}")
-        results[budget] = tokens, logits[f"probed-{budget}"], chunks
-    (one_tokens, one_logits, one), (tokens, first_logits, chunks) = results[1024], results[16]
+    one_tokens, one_logits, one = _probed_run(make_tiny_engine(max_num_batched_tokens=1024), "one")
+    tokens, first_logits, chunks = _probed_run(make_tiny_engine(max_num_batched_tokens=16), "chunked")
     assert len(one) == 1 and len(chunks) > 5
     span_start, span_end = one[0][0], one[0][0] + one[0][1]
     assert chunks[0][0] == span_start and sum(n for _, n in chunks) == span_end - span_start
