@@ -48,6 +48,8 @@ generic transformers one) ranks by :func:`~engine.core.assembly.missed_context`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.core.assembly import Assembly, ModuleUse, anchor_of, blend_candidates, plan_runs
 from engine.core.engine_request import EngineRequest
 from engine.kvcache.block_hash import BlockHash
@@ -134,10 +136,13 @@ class ModuleAssembler:
                                 budget=budget)
         return True
 
-    def schedule(self, req: EngineRequest, allowance: int) -> tuple[list[tuple[list[int], int, list[int]]],
-                                                                     list[KVCopy], list[tuple[int, int]], bool]:
+    def schedule(self, req: EngineRequest, allowance: int, take: Callable[[int, int, bool], int] | None = None,
+                 ) -> tuple[list[tuple[list[int], int, list[int]]], list[KVCopy], list[tuple[int, int]], bool]:
         """Up to ``allowance`` tokens of ``req``'s assembly this step: encode chunks
-        ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order,
+        ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order;
+        ``take(start, n, first)`` says how many of a run's next ``n`` tokens from
+        ``start`` the step's cost still allows (at least one for its ``first`` run;
+        default: all),
         and whether the request's probe goes on this step, after the copies
         (``cacheblend``: then no runs this step; the scheduler sizes the probe's chunk,
         :meth:`probed` adds the selection to the runs after the last). Copies come
@@ -164,6 +169,10 @@ class ModuleAssembler:
         while asm.runs and used < allowance:
             start, end = asm.runs[0]
             n = min(end - start, allowance - used)
+            if take is not None:
+                n = take(start, n, not runs)
+                if n <= 0:
+                    break
             runs.append((start, n))
             used += n
             asm.runs[0] = (start + n, end)

@@ -11,6 +11,7 @@ import torch
 
 from engine.core.engine_request import EngineRequest
 from engine.core.llm_engine import GenerationRequest, SamplingParams
+from engine.core.scheduler import chunk_cost
 from engine.promptcache.segments import Recovery, Segment, SegmentedPrompt
 
 _ids = itertools.count()
@@ -323,3 +324,34 @@ def test_a_long_probe_is_spread_over_steps_within_the_budget(make_tiny_engine):
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(chunks))
     assert max(n for _, n in chunks) <= 16  # 2 layers: a probed position costs a token
     assert tokens == one_tokens and torch.equal(first_logits, one_logits)
+
+
+def test_runs_are_charged_at_their_context_like_a_prefill_chunk(make_tiny_engine):
+    """A segmented request's runs far into its prompt take fewer tokens a step (each run
+    costs ``chunk_cost`` at its own context), so no step of it costs more than the step's
+    budget, beyond one token; the tokens are those of an engine that counts every run
+    token as one."""
+    plain = make_tiny_engine(max_num_batched_tokens=64)
+    sp = segmented([94, 95, 96, 97], mode="cacheblend")
+    run(plain, segmented([94, 95, 96, 97]))
+    expected, _ = run(plain, sp)
+    engine = make_tiny_engine(max_num_batched_tokens=64)
+    run(engine, segmented([94, 95, 96, 97]))
+    scheduler = engine.scheduler
+    engine.call(lambda: setattr(scheduler, "context_cost_tokens", 16))  # every run past 16 tokens costs more
+    costs: list[float] = []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        runs = [s for s in out.scheduled if s.request.request_id == "costed"]
+        if runs:
+            costs.append(sum(chunk_cost(s.start, s.num_new_tokens, 16, scheduler.sequence_cost_tokens) for s in runs))
+        return out
+
+    scheduler.schedule = recording
+    tokens, _ = run(engine, sp, rid="costed")
+    scheduler.schedule = schedule
+    assert tokens == expected
+    one_token = chunk_cost(len(sp.token_ids) - 1, 1, 16, scheduler.sequence_cost_tokens)  # the least progress
+    assert len(costs) > 3 and max(costs) <= 64 + one_token
