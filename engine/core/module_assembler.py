@@ -139,14 +139,13 @@ class ModuleAssembler:
     def schedule(self, req: EngineRequest, allowance: int, take: Callable[[int, int, bool], int] | None = None,
                  ) -> tuple[list[tuple[list[int], int, list[int]]], list[KVCopy], list[tuple[int, int]], bool]:
         """Up to ``allowance`` tokens of ``req``'s assembly this step: encode chunks
-        ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order;
-        ``take(start, n, first)`` says how many of a run's next ``n`` tokens from
-        ``start`` the step's cost still allows (at least one for its ``first`` run;
-        default: all),
+        ``(token_ids, start, block_ids)``, copies, runs ``(start, n)``, in that order,
         and whether the request's probe goes on this step, after the copies
         (``cacheblend``: then no runs this step; the scheduler sizes the probe's chunk,
         :meth:`probed` adds the selection to the runs after the last). Copies come
-        only in a step after the last encode chunk's forward."""
+        only in a step after the last encode chunk's forward. ``take(start, n, first)``
+        says how many of a run's next ``n`` tokens from ``start`` the step's cost still
+        allows (at least one for the ``first`` run; without it, all)."""
         asm = req.assembly
         assert asm is not None
         encodes: list[tuple[list[int], int, list[int]]] = []

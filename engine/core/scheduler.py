@@ -723,7 +723,7 @@ class Scheduler:
         step.out.copies.extend(copies)
         used = 0
         if probe:
-            used = self._probe_chunk(req, allowance, step)
+            used = self._probe_chunk(req, min(float(allowance), left), step)
         if copies or probe:
             step.requests.add(req)  # its blocks are written this step: never preempted in it
         for token_ids, start, block_ids in encodes:
@@ -736,9 +736,9 @@ class Scheduler:
             used += n
         return used
 
-    def _probe_chunk(self, req: EngineRequest, allowance: int, step: _Step) -> int:
-        """Schedule the next chunk of ``req``'s probe (``cacheblend``) within
-        ``allowance`` tokens; the tokens it is charged. A probed position runs
+    def _probe_chunk(self, req: EngineRequest, cost: float, step: _Step) -> int:
+        """Schedule the next chunk of ``req``'s probe (``cacheblend``) costing at most
+        ``cost`` (at least one position); the tokens it is charged. A probed position runs
         ``PROBE_DEPTH`` layers and one layer's K/V of ``num_layers``, so it costs that
         share of a token at its context (:func:`chunk_cost`): a long prompt's probe is
         spread over steps like a long prefill, in position order (each chunk's layer 0
@@ -746,12 +746,12 @@ class Scheduler:
         asm = req.assembly
         assert asm is not None
         share = self.num_layers / (assembly.PROBE_DEPTH + 1)
-        most = tokens_within(asm.probed, allowance * share, self.context_cost_tokens, self.sequence_cost_tokens)
+        most = tokens_within(asm.probed, cost * share, self.context_cost_tokens, self.sequence_cost_tokens)
         start, end = asm.next_probe(most)
         step.out.probes.append(ModuleProbe(req, start, end))
-        cost = chunk_cost(start, end - start, self.context_cost_tokens, self.sequence_cost_tokens) / share
-        step.cost -= cost
-        return max(1, math.ceil(cost))
+        charged = chunk_cost(start, end - start, self.context_cost_tokens, self.sequence_cost_tokens) / share
+        step.cost -= charged
+        return max(1, math.ceil(charged))
 
     def _next_block_in_progress(self, req: EngineRequest, num_cached: int) -> bool:
         """True when the next block ``req`` could hit is one a running request has not
