@@ -95,8 +95,10 @@ in ``tests/engine/core/test_engine_batching.py``).
 Segmented requests (prompt modules, :mod:`engine.core.module_assembler`): admitted
 with blocks for all their tokens plus their missing module blocks; their module
 encodes (``SchedulerOutput.encodes``), copies (``SchedulerOutput.copies``, applied
-before the forward) and runs (several ``ScheduledSequence`` of one request in one
-step, in position order) take their tenant's prefill share like any prefill; a
+before the forward), runs (several ``ScheduledSequence`` of one request in one
+step, in position order, each charged at its context) and ``cacheblend``'s probe
+(``SchedulerOutput.probes``, chunked at its share of a token per position) take their
+tenant's prefill share like any prefill; a
 preempted or aborted one uncaches its blocks past its frontier first. Their blocks
 are cached at admission, before they are written: a request whose hit includes
 such a block waits until its producer has computed it.
@@ -705,8 +707,9 @@ class Scheduler:
         slice (its K/V read once): every run token attends over the slice, and charged
         so the runs measured closer to a full-budget step (a ~4k-token ``cacheblend``
         request, bundled model, ``benchmarks/prompt_module_steps.py``: its longest step
-        690-872 ms, against 1,118 ms charged as one slice and 1,119-1,168 ms charged a
-        token each; its TTFT 1.75-1.92 s against 1.51-1.67 s, more steps)."""
+        690-872 ms, against 1,119-1,168 ms charged a token each, its TTFT 1.75-1.92 s
+        against 1.51-1.67 s in more steps; charged as one slice, 1,118 ms in one
+        earlier ad-hoc run)."""
         allowance = min(most, step.budget)
         left = step.cost if cost is None else min(cost, step.cost)
         k, s = self.context_cost_tokens, self.sequence_cost_tokens
